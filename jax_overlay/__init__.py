@@ -1,0 +1,12 @@
+"""jax_overlay: safe, zero-copy, stream-ordered GPU array interchange for JAX.
+
+    import jax_overlay
+    x = jax_overlay.from_cuda_array_interface(cupy_array)
+    jax_overlay.install()        # jnp.asarray / jnp.array use the same path
+"""
+
+from ._imports import from_cuda_array_interface
+from ._install import install, installed, uninstall
+
+__version__ = "0.1.0"
+__all__ = ["from_cuda_array_interface", "install", "installed", "uninstall"]

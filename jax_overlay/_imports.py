@@ -1,0 +1,178 @@
+"""The one import path: a foreign array becomes a DLPack capsule built by the
+native core (which holds the producer alive until JAX really frees the
+buffer), ordered after the producer's stream on the GPU, and handed to
+jaxlib's DLPack import."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from . import _runtime as rt
+from . import _strided
+from . import _xla_ext as ext
+
+_KDLCPU, _KDLCUDA, _KDLCUDAHOST = 1, 2, 3
+
+
+def _cai_dict(obj):
+    try:
+        return obj.__cuda_array_interface__
+    except AttributeError:
+        raise TypeError(
+            f"{type(obj).__module__}.{type(obj).__qualname__} has no "
+            "__cuda_array_interface__; pass a GPU array from CuPy, Numba, "
+            "PyTorch or another producer of the CUDA Array Interface") from None
+
+
+class Place(NamedTuple):
+    """Where an imported pointer lives, as the import needs it."""
+    device: object       # the JAX device
+    dl_type: int         # DLPack device type of the memory
+    ordinal: int         # the CUDA ordinal (or 0 on the host)
+    range_start: int     # the allocation holding the pointer (0: unknown)
+    alignment: int       # what a zero-copy view needs of the pointer
+    stream: int | None   # pass to jaxlib's import: its event goes there
+
+
+def locate_cuda(view) -> Place:
+    kind, ordinal, _, _, range_start, _ = ext.pointer_info(view.data)
+    if kind == "not_cuda":
+        raise BufferError(
+            f"__cuda_array_interface__['data'][0] = {view.data:#x} is not CUDA "
+            "memory (pageable host memory?); for host data use "
+            "jax.device_put(numpy_array) or pin it first")
+    device = rt.gpu_device(ordinal)
+    pinned = kind == "pinned_host"
+    return Place(device, _KDLCUDAHOST if pinned else _KDLCUDA, ordinal,
+                 range_start, 1 if pinned else _strided.GPU_ALIGNMENT,
+                 _order(view, ordinal, device))
+
+
+def _order(view, ordinal, device):
+    """The stream to pass to jaxlib's import: JAX's ready stream after it was
+    made to wait on the producer, or None when no wait is needed (no stream
+    given, or the producer's stream is already idle: that skips PJRT's own
+    event, the dearest part of the import)."""
+    producer = view.stream
+    if producer is None:
+        return None
+    consumer = rt.ready_stream(device)
+    return consumer if ext.order_after(ordinal, producer, consumer) else None
+
+
+def _empty(view):
+    kind = "device"
+    if view.data and ext.pointer_info(view.data)[0] == "pinned_host":
+        kind = "pinned_host"
+    dev = rt.gpu_backend().local_devices()[0]
+    host = np.empty(view.shape, np.dtype(view.typestr))
+    return jax.device_put(host, rt.memory_sharding(dev, kind))
+
+
+def import_cai(obj, cai=None, *, copy=None, locate=None):
+    """(array, copied): a JAX view of `obj`'s memory, or one copy on the same
+    device when the layout or alignment rules out a view (copy=False then
+    raises BufferError).  `locate` finds the memory (tests pass a host
+    locator to run this same path on the CPU)."""
+    view = ext.parse_cai(_cai_dict(obj) if cai is None else cai)
+    if view.numel == 0:
+        return _empty(view), False
+    place = (locate or locate_cuda)(view)
+    if view.layout != "strided" and view.data % place.alignment == 0:
+        cap = ext.capsule_from_cai(view, obj, place.dl_type, place.ordinal)
+        return rt.capsule_to_array(cap, place.device, place.stream, None,
+                                   place.dl_type), False
+
+    if copy is False:
+        why = ("its strides are not a compact layout" if view.layout == "strided"
+               else f"its pointer {view.data:#x} is not {place.alignment}-byte aligned")
+        raise BufferError(
+            f"cannot import the array without a copy: {why} "
+            f"(shape {view.shape}, strides {view.strides} elements); pass "
+            "copy=None or copy=True for one copy on the same device")
+    base, count, unit, offset = _strided.plan(
+        view.data, view.low, view.span, view.itemsize, place.range_start,
+        max(place.alignment, _strided.GPU_ALIGNMENT))
+    cap = ext.raw_capsule(obj, base, [count], None,
+                          view.typestr if unit == view.itemsize else "|u1",
+                          place.dl_type, place.ordinal)
+    envelope = rt.capsule_to_array(cap, place.device, place.stream, None,
+                                   place.dl_type)
+    pinned = place.dl_type == _KDLCUDAHOST
+    if pinned:
+        # XLA computes on device memory: move the envelope once, gather there,
+        # and put the compact result back where the producer kept it.
+        envelope = jax.device_put(envelope, rt.memory_sharding(place.device, "device"))
+    strides = view.strides if view.strides is not None else _row_major(view.shape)
+    out = _strided.gather(envelope, view.shape, strides, offset,
+                          view.typestr, unit)
+    if pinned:
+        out = jax.device_put(out, rt.memory_sharding(place.device, "pinned_host"))
+    return out, True
+
+
+def _row_major(shape):
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def _same_place(arr, device):
+    if isinstance(device, jax.sharding.Sharding):
+        return arr.sharding == device or (
+            arr.sharding.device_set == device.device_set
+            and arr.sharding.memory_kind == device.memory_kind
+            and device.is_fully_replicated)
+    return arr.sharding.device_set == {device}
+
+
+def finish(arr, copied, *, device=None, copy=None):
+    """Applies the Array API's device/copy rules and JAX's dtype
+    canonicalisation to a fresh import."""
+    dtype = rt.canonical(arr.dtype)
+    if dtype != arr.dtype:
+        if copy is False:
+            raise BufferError(
+                f"the array is {arr.dtype} but JAX is in 32-bit mode, so a "
+                f"conversion to {dtype} (a copy) is needed; enable "
+                "jax_enable_x64 or pass copy=None")
+        arr, copied = arr.astype(dtype), True
+    if device is not None and not _same_place(arr, device):
+        if copy is False:
+            raise BufferError(
+                f"the array lives on {arr.sharding} and device={device} asks "
+                "for another place, which needs a copy; pass copy=None or "
+                "copy=True")
+        return jax.device_put(arr, device)
+    if copy and not copied:
+        return jax.device_put(arr, arr.sharding, may_alias=False)
+    return arr
+
+
+def from_cuda_array_interface(obj, *, device=None, copy=None):
+    """A :class:`jax.Array` over the memory of any object with
+    ``__cuda_array_interface__`` (versions 0 to 3).
+
+    * Zero-copy whenever the layout is compact (C order, F order, any
+      transposition) and the pointer 16-byte aligned: the result shares the
+      producer's memory and keeps the producer alive until JAX frees the
+      buffer, including after in-flight computations that read it.
+    * Placed on the GPU that owns the pointer; pinned host memory becomes a
+      ``pinned_host`` array, managed memory a device array.
+    * A v3 ``stream`` (1 legacy, 2 per-thread, or a handle) is honoured on the
+      GPU, without blocking the host: the array is ordered after the work
+      already enqueued there.  No stream (v2, or None) means no ordering.
+    * Non-compact strides (sliced, negative, broadcast) or a misaligned
+      pointer: one GPU-side copy, or BufferError with ``copy=False``.
+    * ``device=``: another device or memory kind copies there (BufferError
+      with ``copy=False``); ``copy=True`` always returns a fresh buffer.
+    * Like ``jax.dlpack.from_dlpack``, 64-bit data is converted to 32 bits
+      unless ``jax_enable_x64`` is set (a copy; BufferError with copy=False).
+    """
+    arr, copied = import_cai(obj, copy=copy)
+    return finish(arr, copied, device=device, copy=copy)

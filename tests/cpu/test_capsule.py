@@ -1,0 +1,177 @@
+"""Capsule ownership: the producer lives exactly as long as the last
+consumer, every deleter runs once, from any thread, at any time."""
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
+
+import jax
+import numpy as np
+import pytest
+
+from jax_overlay import _runtime as rt
+from jax_overlay import _testing as T
+from jax_overlay import _xla_ext as ext
+
+
+class Producer(T.HostCAI):
+    """A CAI producer whose death can be observed."""
+
+
+def fresh(shape=(4, 5), dtype=np.float32):
+    a = T.aligned_empty(shape, dtype)
+    a[...] = np.arange(a.size).reshape(shape).astype(dtype)
+    return Producer(a)
+
+
+@pytest.fixture(autouse=True)
+def balanced():
+    gc.collect()
+    live = ext.live_tensors()
+    yield
+    gc.collect()
+    assert ext.live_tensors() == live, "a tensor was leaked or freed twice"
+
+
+def test_unconsumed_capsule_releases_owner_once():
+    p = fresh()
+    ref = weakref.ref(p)
+    before = ext.released_tensors()
+    cap = T.host_capsule(p)
+    del p
+    assert ref() is not None, "the capsule must keep the producer alive"
+    del cap
+    gc.collect()
+    assert ref() is None
+    assert ext.released_tensors() == before + 1
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_numpy_consumes_our_capsule(versioned):
+    p = fresh()
+    ref = weakref.ref(p)
+    arr = np.from_dlpack(T.DLPackHolder(T.host_capsule(p, versioned)))
+    assert arr.ctypes.data == p.array.ctypes.data
+    np.testing.assert_array_equal(arr, p.array)
+    del p
+    gc.collect()
+    assert ref() is not None, "numpy's view must keep the producer alive"
+    del arr
+    gc.collect()
+    assert ref() is None
+
+
+def test_versioned_flags_read_only():
+    p = fresh()
+    p.cai["data"] = (p.cai["data"][0], True)
+    arr = np.from_dlpack(T.DLPackHolder(T.host_capsule(p, versioned=True)))
+    assert not arr.flags.writeable, "READ_ONLY must reach the consumer"
+    p2 = fresh()
+    arr2 = np.from_dlpack(T.DLPackHolder(T.host_capsule(p2, versioned=True)))
+    assert arr2.flags.writeable
+
+
+def test_jax_consumer_holds_producer_until_buffer_freed():
+    p = fresh()
+    ref = weakref.ref(p)
+    x = rt.capsule_to_array(T.host_capsule(p), jax.devices("cpu")[0], None, None, 1)
+    assert x.unsafe_buffer_pointer() == p.array.ctypes.data
+    y = x + 1  # a computation reading the view
+    del p
+    gc.collect()
+    assert ref() is not None
+    del x
+    y.block_until_ready()
+    gc.collect()
+    assert ref() is None, "the producer must go when JAX frees the buffer"
+
+
+def test_deleter_on_native_thread():
+    p = fresh()
+    ref = weakref.ref(p)
+    cap = T.host_capsule(p)
+    del p
+    before = ext.released_tensors()
+    ext._delete_on_native_thread(cap)
+    gc.collect()
+    assert ref() is None
+    assert ext.released_tensors() == before + 1
+    del cap  # renamed: its destructor must not call the deleter again
+    gc.collect()
+    assert ext.released_tensors() == before + 1
+
+
+def test_deleters_from_many_threads():
+    producers = [fresh((3,)) for _ in range(64)]
+    refs = [weakref.ref(p) for p in producers]
+    caps = [T.host_capsule(p) for p in producers]
+    del producers
+    threads = [threading.Thread(target=ext._delete_on_native_thread, args=(c,))
+               for c in caps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_deleter_preserves_pending_exception():
+    p = fresh()
+    cap = T.host_capsule(p)
+    del p
+    assert ext._delete_with_pending_error(cap) is True
+
+
+def test_consumed_capsule_cannot_be_reused():
+    cap = T.host_capsule(fresh())
+    rt.capsule_to_array(cap, jax.devices("cpu")[0], None, None, 1)
+    with pytest.raises(Exception, match="consumed at most once|used_dltensor"):
+        rt.capsule_to_array(cap, jax.devices("cpu")[0], None, None, 1)
+    with pytest.raises(BufferError, match="consumed once"):
+        ext._delete_on_native_thread(cap)
+
+
+def test_versioned_to_legacy_chains_the_deleter():
+    p = fresh()
+    ref = weakref.ref(p)
+    vcap = T.host_capsule(p, versioned=True)
+    del p
+    legacy = ext.versioned_to_legacy(vcap)
+    with pytest.raises(ValueError):
+        ext.versioned_to_legacy(vcap)  # renamed: ownership moved
+    x = rt.capsule_to_array(legacy, jax.devices("cpu")[0], None, None, 1)
+    del vcap, legacy
+    gc.collect()
+    assert ref() is not None
+    np.testing.assert_array_equal(np.asarray(x), np.arange(20).reshape(4, 5))
+    del x
+    gc.collect()
+    assert ref() is None
+
+
+def test_interpreter_exit_with_live_capsules_and_arrays():
+    code = textwrap.dedent("""
+        import threading, numpy as np, jax
+        from jax_overlay import _testing as T, _runtime as rt
+        keep = []
+        for i in range(20):
+            a = T.aligned_empty((8,), np.float32); a[:] = i
+            p = T.HostCAI(a)
+            keep.append(T.host_capsule(p))
+            keep.append(rt.capsule_to_array(T.host_capsule(p), jax.devices("cpu")[0], None, None, 1))
+            keep.append(T.import_host(T.HostCAI(a[::2])))
+        # Deleters that run while the interpreter is finalizing, on the
+        # main thread (module teardown) and on a native thread.
+        from jax_overlay import _xla_ext as ext
+        import atexit
+        late = T.host_capsule(T.HostCAI(T.aligned_empty((4,), np.float32)))
+        atexit.register(ext._delete_on_native_thread, late)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"

@@ -1,0 +1,236 @@
+#include "capsule.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+namespace jxo {
+namespace {
+
+std::atomic<int64_t> g_live{0};
+std::atomic<int64_t> g_released{0};
+
+bool InterpreterFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// One allocation holds the header, the managed tensor and its shape and
+// strides, so a deleter frees exactly one block and nothing can dangle.
+struct Block {
+  PyObject* owner;  // strong reference: the memory's guarantor
+  bool versioned;
+  union {
+    dl::ManagedTensor legacy;
+    dl::ManagedTensorVersioned versioned_tensor;
+  };
+  int64_t* dims() { return reinterpret_cast<int64_t*>(this + 1); }
+};
+static_assert(alignof(Block) >= alignof(int64_t));
+
+// Drops the owner reference.  Deleters are called by whoever consumed the
+// tensor, on whatever thread frees its buffer (an XLA worker, a CUDA
+// callback, a foreign runtime), so this must take the GIL itself.
+void ReleaseOwner(PyObject* owner) {
+  if (owner == nullptr) return;
+  // Once the interpreter is finalizing, taking the GIL from a foreign thread
+  // can hang or terminate that thread; leaking one reference is harmless
+  // because the process is going away.
+  if (InterpreterFinalizing()) return;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  // The deleter may run while the caller is unwinding a Python exception
+  // (e.g. a capsule dropped during error handling).  Py_DECREF can run
+  // arbitrary __del__ code, so save and restore the pending exception.
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  Py_DECREF(owner);
+  PyErr_Restore(type, value, tb);
+  PyGILState_Release(gil);
+}
+
+void ReleaseBlock(Block* b) {
+  PyObject* owner = b->owner;
+  b->owner = nullptr;
+  std::free(b);
+  g_live.fetch_sub(1, std::memory_order_relaxed);
+  g_released.fetch_add(1, std::memory_order_relaxed);
+  ReleaseOwner(owner);
+}
+
+void LegacyDeleter(dl::ManagedTensor* t) {
+  if (t) ReleaseBlock(static_cast<Block*>(t->manager_ctx));
+}
+
+void VersionedDeleter(dl::ManagedTensorVersioned* t) {
+  if (t) ReleaseBlock(static_cast<Block*>(t->manager_ctx));
+}
+
+// Capsule destructors: they run when the capsule object dies.  A consumer
+// that took the tensor renamed the capsule, so a still-valid name means
+// nobody took it and the deleter is ours to call, exactly once.
+void DestroyLegacyCapsule(PyObject* capsule) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  if (PyCapsule_IsValid(capsule, dl::kCapsuleLegacy)) {
+    auto* t = static_cast<dl::ManagedTensor*>(
+        PyCapsule_GetPointer(capsule, dl::kCapsuleLegacy));
+    if (t && t->deleter) t->deleter(t);
+  }
+  PyErr_Restore(type, value, tb);
+}
+
+void DestroyVersionedCapsule(PyObject* capsule) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  if (PyCapsule_IsValid(capsule, dl::kCapsuleVersioned)) {
+    auto* t = static_cast<dl::ManagedTensorVersioned*>(
+        PyCapsule_GetPointer(capsule, dl::kCapsuleVersioned));
+    if (t && t->deleter) t->deleter(t);
+  }
+  PyErr_Restore(type, value, tb);
+}
+
+void FillTensor(dl::Tensor& t, const TensorDesc& d, int64_t* dims) {
+  t.data = d.data;
+  t.device = d.device;
+  t.ndim = d.ndim;
+  t.dtype = d.dtype;
+  t.byte_offset = d.byte_offset;
+  std::memcpy(dims, d.shape, sizeof(int64_t) * d.ndim);
+  t.shape = d.ndim ? dims : nullptr;
+  if (d.strides) {
+    std::memcpy(dims + d.ndim, d.strides, sizeof(int64_t) * d.ndim);
+    t.strides = dims + d.ndim;
+  } else {
+    t.strides = nullptr;
+  }
+}
+
+// A legacy view of someone else's versioned tensor: the chained deleter
+// releases the original through its own deleter.
+struct Chain {
+  dl::ManagedTensor legacy;
+  dl::ManagedTensorVersioned* inner;
+};
+
+void ChainDeleter(dl::ManagedTensor* t) {
+  if (!t) return;
+  Chain* c = static_cast<Chain*>(t->manager_ctx);
+  dl::ManagedTensorVersioned* inner = c->inner;
+  delete c;
+  g_live.fetch_sub(1, std::memory_order_relaxed);
+  g_released.fetch_add(1, std::memory_order_relaxed);
+  if (inner && inner->deleter) inner->deleter(inner);
+}
+
+}  // namespace
+
+PyObject* NewOwnedCapsule(const TensorDesc& desc, PyObject* owner,
+                          bool versioned) {
+  if (desc.ndim < 0 || (desc.ndim > 0 && desc.shape == nullptr)) {
+    PyErr_SetString(PyExc_ValueError, "tensor description has a bad ndim");
+    return nullptr;
+  }
+  size_t bytes = sizeof(Block) + 2 * sizeof(int64_t) * size_t(desc.ndim);
+  auto* b = static_cast<Block*>(std::calloc(1, bytes));
+  if (!b) return PyErr_NoMemory();
+  b->versioned = versioned;
+  if (versioned) {
+    dl::ManagedTensorVersioned& m = b->versioned_tensor;
+    m.version = {dl::kMajorVersion, dl::kMinorVersion};
+    m.manager_ctx = b;
+    m.deleter = VersionedDeleter;
+    m.flags = desc.flags;
+    FillTensor(m.dl_tensor, desc, b->dims());
+  } else {
+    dl::ManagedTensor& m = b->legacy;
+    m.manager_ctx = b;
+    m.deleter = LegacyDeleter;
+    FillTensor(m.dl_tensor, desc, b->dims());
+  }
+  // The reference is taken before the capsule exists, so the owner outlives
+  // every path out of here, including a failed PyCapsule_New.
+  Py_XINCREF(owner);
+  b->owner = owner;
+  g_live.fetch_add(1, std::memory_order_relaxed);
+  void* ptr = versioned ? static_cast<void*>(&b->versioned_tensor)
+                        : static_cast<void*>(&b->legacy);
+  PyObject* cap = PyCapsule_New(
+      ptr, versioned ? dl::kCapsuleVersioned : dl::kCapsuleLegacy,
+      versioned ? DestroyVersionedCapsule : DestroyLegacyCapsule);
+  if (!cap) {
+    // Nobody else saw the tensor: release it here, exactly once.
+    ReleaseBlock(b);
+    return nullptr;
+  }
+  return cap;
+}
+
+PyObject* VersionedToLegacyCapsule(PyObject* capsule) {
+  if (!PyCapsule_CheckExact(capsule)) {
+    PyErr_SetString(PyExc_TypeError, "expected a DLPack capsule");
+    return nullptr;
+  }
+  auto* inner = static_cast<dl::ManagedTensorVersioned*>(
+      PyCapsule_GetPointer(capsule, dl::kCapsuleVersioned));
+  if (!inner) return nullptr;
+  Chain* c = new (std::nothrow) Chain{};
+  if (!c) return PyErr_NoMemory();
+  c->inner = inner;
+  c->legacy.dl_tensor = inner->dl_tensor;  // shape/strides stay owned by inner
+  c->legacy.manager_ctx = c;
+  c->legacy.deleter = ChainDeleter;
+  g_live.fetch_add(1, std::memory_order_relaxed);
+  PyObject* out =
+      PyCapsule_New(&c->legacy, dl::kCapsuleLegacy, DestroyLegacyCapsule);
+  if (!out) {
+    // The versioned capsule still owns `inner`; only drop the chain link.
+    delete c;
+    g_live.fetch_sub(1, std::memory_order_relaxed);
+    return nullptr;
+  }
+  // Ownership moved to the chain: the consumed capsule must never call the
+  // deleter again, so rename it as the protocol says and drop its destructor.
+  PyCapsule_SetName(capsule, dl::kCapsuleVersionedUsed);
+  PyCapsule_SetDestructor(capsule, nullptr);
+  return out;
+}
+
+TakenTensor TakeTensor(PyObject* capsule) {
+  TakenTensor t;
+  if (PyCapsule_IsValid(capsule, dl::kCapsuleLegacy)) {
+    t.tensor = PyCapsule_GetPointer(capsule, dl::kCapsuleLegacy);
+    PyCapsule_SetName(capsule, dl::kCapsuleLegacyUsed);
+  } else if (PyCapsule_IsValid(capsule, dl::kCapsuleVersioned)) {
+    t.tensor = PyCapsule_GetPointer(capsule, dl::kCapsuleVersioned);
+    t.versioned = true;
+    PyCapsule_SetName(capsule, dl::kCapsuleVersionedUsed);
+  } else {
+    PyErr_SetString(PyExc_BufferError,
+                    "not an unconsumed DLPack capsule (a capsule can be "
+                    "consumed once; ask the producer for a new one)");
+    return t;
+  }
+  PyCapsule_SetDestructor(capsule, nullptr);
+  return t;
+}
+
+void CallDeleter(const TakenTensor& t) {
+  if (!t.tensor) return;
+  if (t.versioned) {
+    auto* m = static_cast<dl::ManagedTensorVersioned*>(t.tensor);
+    if (m->deleter) m->deleter(m);
+  } else {
+    auto* m = static_cast<dl::ManagedTensor*>(t.tensor);
+    if (m->deleter) m->deleter(m);
+  }
+}
+
+int64_t LiveTensors() { return g_live.load(); }
+int64_t ReleasedTensors() { return g_released.load(); }
+
+}  // namespace jxo

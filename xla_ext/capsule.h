@@ -1,0 +1,58 @@
+// Ownership of the DLPack tensors this project creates, and the capsules
+// that carry them.  Pure CPython: no pybind11 types cross this header, so the
+// deleters can run on any thread, at any time, including interpreter exit.
+#ifndef JAX_OVERLAY_XLA_EXT_CAPSULE_H_
+#define JAX_OVERLAY_XLA_EXT_CAPSULE_H_
+
+#include <Python.h>
+
+#include <cstdint>
+
+#include "dlpack_abi.h"
+
+namespace jxo {
+
+// What a new tensor describes.  `shape` and `strides` are copied; `strides`
+// is in elements, or nullptr for compact row-major.
+struct TensorDesc {
+  void* data = nullptr;
+  dl::Device device{dl::kCPU, 0};
+  dl::DataType dtype{dl::kFloat, 32, 1};
+  int32_t ndim = 0;
+  const int64_t* shape = nullptr;
+  const int64_t* strides = nullptr;
+  uint64_t byte_offset = 0;
+  uint64_t flags = 0;  // versioned tensors only
+};
+
+// Returns a new capsule ("dltensor" or "dltensor_versioned") that owns a
+// tensor described by `desc`.  The tensor holds a strong reference to
+// `owner` until its deleter runs, so the memory stays valid for as long as any
+// consumer holds the tensor.  Returns nullptr with a Python error set on
+// failure.  Requires the GIL.
+PyObject* NewOwnedCapsule(const TensorDesc& desc, PyObject* owner,
+                          bool versioned);
+
+// Takes the tensor out of a versioned capsule produced by anyone and returns
+// a legacy "dltensor" capsule whose deleter chains to the versioned one.
+// The input capsule is renamed "used_dltensor_versioned" (it no longer owns
+// anything).  Returns nullptr with a Python error set on failure.
+PyObject* VersionedToLegacyCapsule(PyObject* versioned_capsule);
+
+// Calls `deleter` of the tensor in an unconsumed DLPack capsule and marks the
+// capsule used, as a consumer would; used by tests to drive deleters from
+// other threads.  Returns the raw tensor pointer and its kind.
+struct TakenTensor {
+  void* tensor = nullptr;
+  bool versioned = false;
+};
+TakenTensor TakeTensor(PyObject* capsule);  // nullptr + error on failure
+void CallDeleter(const TakenTensor& t);      // safe without the GIL
+
+// Counters for lifetime tests.
+int64_t LiveTensors();
+int64_t ReleasedTensors();
+
+}  // namespace jxo
+
+#endif  // JAX_OVERLAY_XLA_EXT_CAPSULE_H_

@@ -1,0 +1,55 @@
+// The CUDA driver, loaded at run time with dlopen on first GPU use: building
+// and importing the extension needs no CUDA toolkit and no libcuda.
+// Every call runs in the primary context of the device it concerns, the
+// context JAX, CuPy, PyTorch and Numba all use.
+#ifndef JAX_OVERLAY_XLA_EXT_CUDA_DRIVER_H_
+#define JAX_OVERLAY_XLA_EXT_CUDA_DRIVER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "error.h"
+
+namespace jxo::cuda {
+
+// CU_STREAM_LEGACY and CU_STREAM_PER_THREAD as stream handles.
+constexpr uintptr_t kLegacyStream = 1;
+constexpr uintptr_t kPerThreadStream = 2;
+
+enum class MemoryKind { kNotCuda, kDevice, kPinnedHost, kManaged };
+
+struct PointerInfo {
+  MemoryKind kind = MemoryKind::kNotCuda;
+  int ordinal = -1;        // the device whose context owns the memory
+  uintptr_t device_ptr = 0;  // the address GPU code uses
+  uintptr_t host_ptr = 0;    // pinned/managed memory: the host's address
+  uintptr_t range_start = 0;  // the allocation holding the pointer
+  size_t range_size = 0;
+};
+
+// Loads libcuda.so.1 and calls cuInit once.  False with a BufferError
+// message when there is no usable driver.
+bool Load(Error* err);
+
+// True once Load succeeded; never loads by itself.
+bool Loaded();
+
+bool QueryPointer(uintptr_t ptr, PointerInfo* out, Error* err);
+
+// Makes `consumer` wait on the GPU for everything already enqueued on
+// `producer` (1 = legacy, 2 = per-thread, or a handle), without blocking the
+// host.  When `producer` is already idle nothing is enqueued and *waited is
+// false, so callers can skip their own event bookkeeping.
+bool OrderAfter(int ordinal, uintptr_t producer, uintptr_t consumer,
+                bool* waited, Error* err);
+
+// True when every piece of work enqueued on `stream` has finished.
+bool StreamIdle(int ordinal, uintptr_t stream, bool* idle, Error* err);
+
+int DriverVersion();  // 0 when unknown
+int DeviceCount();    // 0 when unknown
+
+}  // namespace jxo::cuda
+
+#endif  // JAX_OVERLAY_XLA_EXT_CUDA_DRIVER_H_

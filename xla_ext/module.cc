@@ -1,0 +1,269 @@
+// Python bindings of the native core: the only file that knows pybind11.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <thread>
+
+#include "cai.h"
+#include "capsule.h"
+#include "cuda_driver.h"
+#include "dlpack_abi.h"
+#include "error.h"
+#include "layout.h"
+
+namespace py = pybind11;
+
+namespace jxo {
+namespace {
+
+[[noreturn]] void Raise(const Error& e) {
+  switch (e.kind) {
+    case ErrorKind::kType:
+      throw py::type_error(e.message);
+    case ErrorKind::kValue:
+      throw py::value_error(e.message);
+    default:
+      throw py::buffer_error(e.message);
+  }
+}
+
+const char* LayoutName(LayoutKind k) {
+  switch (k) {
+    case LayoutKind::kRowMajor:
+      return "row_major";
+    case LayoutKind::kPermuted:
+      return "permuted";
+    default:
+      return "strided";
+  }
+}
+
+const char* KindName(cuda::MemoryKind k) {
+  switch (k) {
+    case cuda::MemoryKind::kDevice:
+      return "device";
+    case cuda::MemoryKind::kPinnedHost:
+      return "pinned_host";
+    case cuda::MemoryKind::kManaged:
+      return "managed";
+    default:
+      return "not_cuda";
+  }
+}
+
+py::tuple Tuple(const std::vector<int64_t>& v) {
+  py::tuple t(v.size());
+  for (size_t i = 0; i < v.size(); ++i) t[i] = py::int_(v[i]);
+  return t;
+}
+
+CaiSpec Parse(py::handle cai) {
+  CaiSpec spec;
+  Error err;
+  if (!ParseCai(cai.ptr(), &spec, &err)) Raise(err);
+  return spec;
+}
+
+py::object Steal(PyObject* o) {
+  if (!o) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(o);
+}
+
+py::object CapsuleFromCai(const CaiSpec& s, py::handle owner, int device_type,
+                          int device_id, bool versioned, uint64_t flags) {
+  TensorDesc d;
+  d.data = reinterpret_cast<void*>(s.data);
+  d.device = {device_type, device_id};
+  d.dtype = s.dtype;
+  d.ndim = static_cast<int32_t>(s.shape.size());
+  d.shape = s.shape.data();
+  // Row-major tensors go without strides: that is the layout consumers
+  // handle fastest and JAX gives its default layout.
+  d.strides = s.layout.kind == LayoutKind::kRowMajor || s.strides.empty()
+                  ? nullptr
+                  : s.strides.data();
+  d.flags = flags | (s.read_only ? dl::kFlagReadOnly : 0);
+  return Steal(NewOwnedCapsule(d, owner.ptr(), versioned));
+}
+
+py::object RawCapsule(py::handle owner, uintptr_t data,
+                      const std::vector<int64_t>& shape,
+                      std::optional<std::vector<int64_t>> strides,
+                      const std::string& typestr, int device_type,
+                      int device_id, bool versioned, uint64_t flags) {
+  TensorDesc d;
+  Error err;
+  int itemsize = 0;
+  if (!TypestrToDtype(typestr, &d.dtype, &itemsize, &err)) Raise(err);
+  if (strides && strides->size() != shape.size()) {
+    throw py::value_error("strides must have one entry per dimension");
+  }
+  d.data = reinterpret_cast<void*>(data);
+  d.device = {device_type, device_id};
+  d.ndim = static_cast<int32_t>(shape.size());
+  d.shape = shape.data();
+  d.strides = strides ? strides->data() : nullptr;
+  d.flags = flags;
+  return Steal(NewOwnedCapsule(d, owner.ptr(), versioned));
+}
+
+}  // namespace
+}  // namespace jxo
+
+PYBIND11_MODULE(_xla_ext, m) {
+  using namespace jxo;
+  m.doc() = "jax_overlay native core: DLPack ownership, CAI parsing, CUDA "
+            "driver access.";
+
+  py::class_<CaiSpec>(m, "CaiView",
+                      "A validated __cuda_array_interface__ dict.")
+      .def_readonly("version", &CaiSpec::version)
+      .def_readonly("data", &CaiSpec::data)
+      .def_readonly("read_only", &CaiSpec::read_only)
+      .def_readonly("typestr", &CaiSpec::typestr)
+      .def_readonly("itemsize", &CaiSpec::itemsize)
+      .def_property_readonly("shape",
+                             [](const CaiSpec& s) { return Tuple(s.shape); })
+      .def_property_readonly(
+          "strides",
+          [](const CaiSpec& s) -> py::object {
+            if (s.strides.empty() && !s.shape.empty()) return py::none();
+            return Tuple(s.strides);
+          },
+          "Strides in elements, or None for row-major.")
+      .def_property_readonly(
+          "layout", [](const CaiSpec& s) { return LayoutName(s.layout.kind); })
+      .def_property_readonly("numel",
+                             [](const CaiSpec& s) { return s.layout.numel; })
+      .def_property_readonly("low",
+                             [](const CaiSpec& s) { return s.layout.low; })
+      .def_property_readonly("span",
+                             [](const CaiSpec& s) { return s.layout.span; })
+      .def_property_readonly("stream", [](const CaiSpec& s) -> py::object {
+        if (!s.has_stream) return py::none();
+        return py::int_(s.stream);
+      });
+
+  m.def("parse_cai", &Parse, py::arg("cai"),
+        "Validates a __cuda_array_interface__ dict; raises TypeError, "
+        "ValueError or BufferError naming the bad field.");
+
+  m.def(
+      "capsule_from_cai",
+      [](const CaiSpec& s, py::handle owner, int device_type, int device_id,
+         bool versioned, uint64_t flags) {
+        return CapsuleFromCai(s, owner, device_type, device_id, versioned,
+                              flags);
+      },
+      py::arg("view"), py::arg("owner"), py::arg("device_type"),
+      py::arg("device_id"), py::arg("versioned") = false,
+      py::arg("flags") = 0,
+      "A DLPack capsule viewing the array of `view`, holding `owner` alive "
+      "until its deleter runs.");
+
+  m.def("raw_capsule", &RawCapsule, py::arg("owner"), py::arg("data"),
+        py::arg("shape"), py::arg("strides"), py::arg("typestr"),
+        py::arg("device_type"), py::arg("device_id"),
+        py::arg("versioned") = false, py::arg("flags") = 0,
+        "A DLPack capsule over `data` with the given shape, strides "
+        "(elements) and type string, holding `owner` alive.");
+
+  m.def(
+      "versioned_to_legacy",
+      [](py::handle capsule) {
+        return Steal(VersionedToLegacyCapsule(capsule.ptr()));
+      },
+      py::arg("capsule"));
+
+  m.def("live_tensors", &LiveTensors,
+        "Tensors created here whose deleter has not run.");
+  m.def("released_tensors", &ReleasedTensors,
+        "Tensors created here whose deleter has run.");
+
+  m.def(
+      "load_driver",
+      []() {
+        Error err;
+        if (!cuda::Load(&err)) Raise(err);
+      },
+      "Loads libcuda.so.1; BufferError when there is no usable driver.");
+  m.def("driver_loaded", &cuda::Loaded);
+  m.def("driver_version", &cuda::DriverVersion);
+  m.def("device_count", &cuda::DeviceCount);
+
+  m.def(
+      "pointer_info",
+      [](uintptr_t ptr) {
+        cuda::PointerInfo info;
+        Error err;
+        if (!cuda::QueryPointer(ptr, &info, &err)) Raise(err);
+        return py::make_tuple(KindName(info.kind), info.ordinal,
+                              info.device_ptr, info.host_ptr, info.range_start,
+                              info.range_size);
+      },
+      py::arg("ptr"),
+      "(kind, ordinal, device_ptr, host_ptr, range_start, range_size) of a "
+      "pointer; kind is device, pinned_host, managed or not_cuda.");
+
+  m.def(
+      "order_after",
+      [](int ordinal, uintptr_t producer, uintptr_t consumer) {
+        bool waited = false;
+        Error err;
+        if (!cuda::OrderAfter(ordinal, producer, consumer, &waited, &err)) {
+          Raise(err);
+        }
+        return waited;
+      },
+      py::arg("ordinal"), py::arg("producer"), py::arg("consumer"),
+      "Orders `consumer` after the work on `producer` with an event, without "
+      "blocking the host; False when the producer was idle (nothing "
+      "enqueued).");
+
+  m.def(
+      "stream_idle",
+      [](int ordinal, uintptr_t stream) {
+        bool idle = false;
+        Error err;
+        if (!cuda::StreamIdle(ordinal, stream, &idle, &err)) Raise(err);
+        return idle;
+      },
+      py::arg("ordinal"), py::arg("stream"));
+
+  // Test hooks: drive deleters the way foreign consumers do.
+  m.def(
+      "_delete_on_native_thread",
+      [](py::handle capsule) {
+        TakenTensor t = TakeTensor(capsule.ptr());
+        if (!t.tensor) throw py::error_already_set();
+        // The GIL must be free while the thread runs: the deleter takes it.
+        // Plain macros, not an RAII guard: a daemon thread woken during
+        // interpreter exit is unwound by CPython, and a noexcept destructor
+        // in that path would abort the process.
+        Py_BEGIN_ALLOW_THREADS
+        std::thread([t] { CallDeleter(t); }).join();
+        Py_END_ALLOW_THREADS
+      },
+      py::arg("capsule"),
+      "Consumes a DLPack capsule and calls its deleter from a new native "
+      "thread (tests).");
+  m.def(
+      "_delete_with_pending_error",
+      [](py::handle capsule) {
+        TakenTensor t = TakeTensor(capsule.ptr());
+        if (!t.tensor) throw py::error_already_set();
+        PyErr_SetString(PyExc_KeyError, "pending");
+        CallDeleter(t);
+        // The deleter must leave the caller's exception exactly as it was.
+        bool kept = PyErr_ExceptionMatches(PyExc_KeyError);
+        PyErr_Clear();
+        return kept;
+      },
+      py::arg("capsule"),
+      "Consumes a capsule and calls its deleter with a KeyError pending; "
+      "True when the error survived (tests).");
+
+  m.attr("DLPACK_VERSION") = py::make_tuple(dl::kMajorVersion, dl::kMinorVersion);
+  m.attr("FLAG_READ_ONLY") = dl::kFlagReadOnly;
+  m.attr("FLAG_IS_COPIED") = dl::kFlagIsCopied;
+}
