@@ -1,9 +1,14 @@
 import functools
+import os
 import pathlib
 
 import pytest
 
 GPU_DIR = pathlib.Path(__file__).parent / "gpu"
+
+# JAX would otherwise take 75% of the GPU up front, starving the CuPy, PyTorch
+# and Numba producers the GPU suite runs beside it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @functools.cache

@@ -1,0 +1,140 @@
+"""Median latency of CAI imports into JAX: stock JAX vs jax_overlay, idle and
+in-flight producers, in one process.  Run on a GPU machine:
+
+    python benchmarks/bench_cai_import.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import cupy as cp  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_overlay  # noqa: E402
+from jax_overlay import _runtime as rt  # noqa: E402
+from jax_overlay import _xla_ext as ext  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
+from producers import WithStream, spin_fill  # noqa: E402
+
+REPEATS, ROUNDS = 500, 7
+
+
+def median_us(fn, make_arg, repeats=REPEATS, rounds=ROUNDS):
+    """Median over `rounds` of the mean per-call time of `repeats` calls."""
+    per_round = []
+    keep = []
+    for _ in range(rounds):
+        args = [make_arg() for _ in range(repeats)]
+        t0 = time.perf_counter_ns()
+        for a in args:
+            keep.append(fn(a))
+        per_round.append((time.perf_counter_ns() - t0) / repeats / 1e3)
+        keep.clear()  # results die outside the timed region
+    return statistics.median(per_round)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    args = p.parse_args()
+
+    dev = jax.devices("cuda")[0]
+    a = cp.arange(1 << 20, dtype=cp.float32)
+    cp.cuda.Device().synchronize()
+    busy = cp.cuda.Stream(non_blocking=True)
+    res = {}
+
+    def run(name, fn, make_arg, inflight=False):
+        for _ in range(50):
+            fn(make_arg())  # warm caches and jit
+        if inflight:
+            spin_fill(cp.empty(1, cp.float32), 0.0, ms=REPEATS * ROUNDS * 0.2, stream=busy)
+        res[name] = round(median_us(fn, make_arg), 2)
+        if inflight:
+            res[name + " (producer still busy after)"] = not busy.done
+            busy.synchronize()
+
+    legacy = lambda: a                                # cupy exports stream 1 (legacy)
+    idle_user = lambda: WithStream(a, busy.ptr)       # user stream, idle
+    inflight_user = idle_user                         # same, with a kernel running
+
+    run("stock jnp.asarray(cupy) idle", jnp.asarray, legacy)
+    try:
+        jnp.asarray(idle_user())
+        res["stock jnp.asarray(user stream)"] = "works"
+    except Exception as e:  # noqa: BLE001
+        res["stock jnp.asarray(user stream)"] = f"fails: {type(e).__name__}"
+
+    jax_overlay.install()
+    run("jax_overlay jnp.asarray(cupy) idle", jnp.asarray, legacy)
+    run("jax_overlay jnp.asarray(user stream) idle", jnp.asarray, idle_user)
+    run("jax_overlay jnp.asarray(user stream) in flight", jnp.asarray, inflight_user,
+        inflight=True)
+    jax_overlay.uninstall()
+    run("from_cuda_array_interface idle", jax_overlay.from_cuda_array_interface, legacy)
+    run("from_cuda_array_interface in flight", jax_overlay.from_cuda_array_interface,
+        inflight_user, inflight=True)
+
+    # Floors: what the pieces cost on their own.
+    cai = a.__cuda_array_interface__
+    run("floor: a.__cuda_array_interface__ (CuPy)", lambda o: o.__cuda_array_interface__, legacy)
+    run("floor: parse_cai", ext.parse_cai, lambda: cai)
+    run("floor: pointer_info", ext.pointer_info, lambda: a.data.ptr)
+    view = ext.parse_cai(cai)
+    run("floor: capsule_from_cai", lambda v: ext.capsule_from_cai(v, a, 2, 0), lambda: view)
+    run("floor: jaxlib dlpack import (no stream)",
+        lambda c: rt.capsule_to_array(c, dev, None, None, 2),
+        lambda: ext.capsule_from_cai(view, a, 2, 0))
+    stream = rt.ready_stream(dev)
+    run("floor: jaxlib dlpack import (with stream event)",
+        lambda c: rt.capsule_to_array(c, dev, stream, None, 2),
+        lambda: ext.capsule_from_cai(view, a, 2, 0))
+    run("floor: order_after (busy producer)",
+        lambda s: ext.order_after(0, s, stream), lambda: busy.ptr, inflight=True)
+
+    torch = None
+    try:
+        import torch
+    except Exception:  # noqa: BLE001
+        pass
+    if torch is not None:
+        run("peer: torch.as_tensor(cupy, device='cuda')",
+            lambda o: torch.as_tensor(o, device="cuda"), legacy)
+        run("peer: torch.from_dlpack(cupy)", torch.from_dlpack, legacy)
+        t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        run("peer: cupy.asarray(torch)", cp.asarray, lambda: t)
+        run("stock jnp.asarray(torch)", jnp.asarray, lambda: t)
+        jax_overlay.install()
+        run("jax_overlay jnp.asarray(torch)", jnp.asarray, lambda: t)
+        jax_overlay.uninstall()
+
+    meta = {
+        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "driver": cp.cuda.runtime.driverGetVersion(),
+        "jax": jax.__version__, "cupy": cp.__version__,
+        "torch": getattr(torch, "__version__", None), "python": platform.python_version(),
+        "repeats": REPEATS, "rounds": ROUNDS, "statistic": "median of round means, us",
+    }
+    out = {"meta": meta, "results_us": res}
+    w = max(len(k) for k in res)
+    for k, v in res.items():
+        print(f"{k:<{w}}  {v}")
+    print(json.dumps(meta))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""CAI import on the GPU: zero-copy, stream-ordered, lifetime-safe, for
+CuPy, Numba and PyTorch producers."""
+
+import gc
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_overlay  # noqa: E402
+from jax_overlay import _xla_ext as ext  # noqa: E402
+
+from producers import STREAMS, WithStream, spin_fill  # noqa: E402
+
+imp = jax_overlay.from_cuda_array_interface
+TRIALS = 200
+
+
+def ptr(x):
+    return x.unsafe_buffer_pointer()
+
+
+# --- zero-copy -------------------------------------------------------------
+
+def test_cupy_zero_copy():
+    a = cp.arange(12, dtype=cp.float32).reshape(3, 4)
+    x = imp(a)
+    assert ptr(x) == a.data.ptr
+    assert x.devices() == {jax.devices("cuda")[a.device.id]}
+    np.testing.assert_array_equal(np.asarray(x), cp.asnumpy(a))
+
+
+@pytest.mark.parametrize("view", ["T", "F", "perm3"])
+def test_cupy_compact_permutations_are_views(view):
+    base = cp.arange(24, dtype=cp.float32).reshape(2, 3, 4)
+    a = {"T": base[0].T, "F": cp.asfortranarray(base[0]),
+         "perm3": base.transpose(2, 0, 1)}[view]
+    x = imp(a)
+    assert ptr(x) == a.data.ptr
+    np.testing.assert_array_equal(np.asarray(x), cp.asnumpy(a))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: v * 2)(x)), cp.asnumpy(a) * 2)
+
+
+def test_torch_zero_copy():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(20, dtype=torch.float32, device="cuda").reshape(4, 5)
+    torch.cuda.synchronize()
+    x = imp(t)
+    assert ptr(x) == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(x), t.cpu().numpy())
+    tt = t.t()
+    y = imp(tt)
+    assert ptr(y) == tt.data_ptr()
+    np.testing.assert_array_equal(np.asarray(y), tt.cpu().numpy())
+
+
+def test_numba_zero_copy():
+    cuda = pytest.importorskip("numba.cuda")
+    d = cuda.to_device(np.arange(10, dtype=np.int32))
+    cuda.synchronize()
+    x = imp(d)
+    assert ptr(x) == d.__cuda_array_interface__["data"][0]
+    np.testing.assert_array_equal(np.asarray(x), np.arange(10))
+
+
+DTYPES = ["bool", "int8", "uint8", "int16", "int32", "uint32", "int64",
+          "float16", "float32", "float64", "complex64", "complex128"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes(dtype):
+    jax.config.update("jax_enable_x64", True)
+    try:
+        h = (np.arange(10) % 3).astype(dtype)
+        if np.dtype(dtype).kind == "c":
+            h = h + 1j * h[::-1]
+        a = cp.asarray(h)
+        x = imp(a)
+        assert x.dtype == np.dtype(dtype)
+        assert ptr(x) == a.data.ptr
+        np.testing.assert_array_equal(np.asarray(x), h)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_0d_and_zero_size():
+    a = cp.asarray(np.float32(3.5))
+    x = imp(a)
+    assert x.shape == () and float(x) == 3.5 and ptr(x) == a.data.ptr
+    for shape in [(0,), (3, 0), (0, 0, 2)]:
+        z = imp(cp.empty(shape, cp.float32))
+        assert z.shape == shape and list(z.devices())[0].platform == "gpu"
+
+
+# --- stream ordering --------------------------------------------------------
+
+@pytest.mark.parametrize("kind", list(STREAMS))
+def test_no_stale_read_with_inflight_producer(kind):
+    stream, handle = STREAMS[kind]()
+    a = cp.zeros(1 << 20, cp.float32)
+    stale = 0
+    for k in range(1, TRIALS + 1):
+        spin_fill(a, float(k), ms=0.5, stream=stream)
+        x = imp(WithStream(a, handle))
+        total = float(jnp.min(x)), float(jnp.max(x))
+        stale += total != (k, k)
+    stream.synchronize()
+    assert stale == 0, f"{stale} of {TRIALS} reads were stale on the {kind} stream"
+
+
+def test_control_unordered_import_reads_stale():
+    """The detector works: with the stream dropped (v2 semantics) the same
+    race shows up, so the test above can fail."""
+    stream, _ = STREAMS["user"]()
+    a = cp.zeros(1 << 20, cp.float32)
+    stale = 0
+    for k in range(1, 21):
+        spin_fill(a, float(k), ms=2.0, stream=stream)
+        x = imp(WithStream(a, None))
+        stale += float(jnp.min(x)) != k
+        stream.synchronize()
+    assert stale > 0
+
+
+@pytest.mark.parametrize("kind", list(STREAMS))
+def test_import_does_not_block_host(kind):
+    stream, handle = STREAMS[kind]()
+    a = cp.zeros(1 << 16, cp.float32)
+    spin_fill(a, 7.0, ms=200.0, stream=stream)
+    t0 = time.perf_counter()
+    x = imp(WithStream(a, handle))
+    dt = time.perf_counter() - t0
+    assert not stream.done, "the producer finished before we could check"
+    assert dt < 0.1, f"import took {dt * 1e3:.1f} ms: it waited on the host"
+    assert float(jnp.min(x)) == 7.0
+
+
+def test_cupy_exported_stream_is_honoured():
+    s = cp.cuda.Stream(non_blocking=True)
+    a = cp.zeros(1 << 20, cp.float32)
+    stale = 0
+    with s:
+        for k in range(1, 51):
+            spin_fill(a, float(k), ms=0.5, stream=s)
+            assert a.__cuda_array_interface__.get("stream") == s.ptr
+            stale += float(jnp.min(imp(a))) != k
+    assert stale == 0
+
+
+def test_numba_inflight_kernel_on_user_stream():
+    cuda = pytest.importorskip("numba.cuda")
+
+    @cuda.jit
+    def slow_fill(out, value, cycles):
+        i = cuda.grid(1)
+        acc = 0.0
+        for j in range(cycles):  # keeps the stream busy for a while
+            acc += j * 1e-9
+        if i < out.size:
+            out[i] = value + acc * 0.0
+
+    s = cuda.stream()
+    d = cuda.device_array(1 << 18, np.float32, stream=s)
+    stale = 0
+    for k in range(1, 31):
+        slow_fill[(1 << 18) // 256, 256, s](d, float(k), 200000)
+        cai = d.__cuda_array_interface__
+        assert cai["stream"] == s.handle.value
+        stale += float(jnp.min(imp(d))) != k
+    s.synchronize()
+    assert stale == 0
+
+
+def test_torch_user_stream_with_explicit_cai_stream():
+    torch = pytest.importorskip("torch")
+    s = torch.cuda.Stream()
+    t = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    stale = 0
+    for k in range(1, 51):
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(200_000)
+            t.fill_(float(k))
+        stale += float(jnp.min(imp(WithStream(t, s.cuda_stream)))) != k
+    s.synchronize()
+    assert stale == 0
+
+
+def test_bad_stream_handle_is_a_clear_error():
+    a = cp.zeros(4, cp.float32)
+    with pytest.raises(BufferError, match="stream"):
+        imp(WithStream(a, 0xDEAD0))
+
+
+# --- lifetime ---------------------------------------------------------------
+
+def test_pool_reuse_after_producer_dies():
+    pool = cp.get_default_memory_pool()
+    n = 1 << 22
+    a = cp.full(n, 3.0, cp.float32)
+    ref_ptr = a.data.ptr
+    x = imp(a)
+    del a
+    gc.collect()
+    # Were the block back in CuPy's pool, these would land on it.
+    junk = [cp.full(n, -1.0, cp.float32) for _ in range(4)]
+    assert all(j.data.ptr != ref_ptr for j in junk)
+    cp.cuda.Device().synchronize()
+    assert float(jnp.min(x)) == 3.0 and float(jnp.max(x)) == 3.0
+    used = pool.used_bytes()
+    del x
+    deadline = time.monotonic() + 5
+    while pool.used_bytes() != used - n * 4 and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert pool.used_bytes() == used - n * 4, "the block must return once JAX frees it"
+    del junk
+
+
+def test_inflight_jax_computation_keeps_memory():
+    n = 1 << 24
+    a = cp.full(n, 2.0, cp.float32)
+    ref_ptr = a.data.ptr
+    x = imp(a)
+
+    @jax.jit
+    def heavy(v):
+        for _ in range(200):
+            v = jnp.sqrt(v * v + 1.0) - 0.5
+        return v
+
+    y = heavy(x)  # enqueued, still running
+    del x, a
+    gc.collect()
+    junk = cp.full(n, -7.0, cp.float32)  # would reuse the block if freed early
+    assert junk.data.ptr != ref_ptr
+    want = float(heavy(jnp.full((1,), 2.0, jnp.float32))[0])
+    assert float(jnp.min(y)) == want and float(jnp.max(y)) == want
+
+
+def test_producer_refcount_returns_to_baseline():
+    a = cp.arange(100, dtype=cp.float32)
+    ref = weakref.ref(a)
+    xs = [imp(a) for _ in range(50)]
+    del a
+    gc.collect()
+    assert ref() is not None
+    del xs
+    gc.collect()
+    assert ref() is None
+
+
+def test_threads_import_compute_delete():
+    errors = []
+    live = ext.live_tensors()
+
+    def work(seed):
+        try:
+            rng = np.random.default_rng(seed)
+            s = cp.cuda.Stream(non_blocking=True)
+            for _ in range(100):
+                n = int(rng.integers(1, 5000))
+                with s:
+                    a = cp.arange(n, dtype=cp.float32)
+                x = imp(WithStream(a, s.ptr))
+                del a
+                if float(jnp.sum(x)) != n * (n - 1) / 2:
+                    errors.append(("wrong sum", n))
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    gc.collect()
+    jax.effects_barrier()
+    gc.collect()
+    assert errors == []
+    assert ext.live_tensors() == live
+
+
+# --- copies -----------------------------------------------------------------
+
+STRIDED = {
+    "sliced": lambda a: a[:, ::2],
+    "negative": lambda a: a[::-1, ::-1],
+    "broadcast": lambda a: cp.broadcast_to(a[0], (5, a.shape[1])),
+    "window": lambda a: a[1:5, 3:7],
+    "misaligned": lambda a: a.reshape(-1)[1:],
+}
+
+
+@pytest.mark.parametrize("name", STRIDED)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "complex64", "int8", "bool"])
+def test_strided_copies_on_gpu(name, dtype):
+    base = cp.asarray((np.arange(64 * 9) % 7).astype(dtype).reshape(64, 9))
+    v = STRIDED[name](base)
+    x = imp(v)
+    np.testing.assert_array_equal(np.asarray(x), cp.asnumpy(v))
+    assert list(x.devices())[0].platform == "gpu"
+    if not (v.flags.c_contiguous and v.data.ptr % 16 == 0):
+        assert ptr(x) != v.data.ptr
+        with pytest.raises(BufferError, match="without a copy"):
+            imp(v, copy=False)
+
+
+def test_strided_copy_ordered_after_inflight_producer():
+    s = cp.cuda.Stream(non_blocking=True)
+    a = cp.zeros((512, 1024), cp.float32)
+    stale = 0
+    for k in range(1, 51):
+        spin_fill(a, float(k), ms=0.5, stream=s)
+        stale += float(jnp.min(imp(WithStream(a[::2, ::-3], s.ptr)))) != k
+    assert stale == 0
+
+
+# --- memory kinds -----------------------------------------------------------
+
+def test_pinned_numba_mapped_array():
+    cuda = pytest.importorskip("numba.cuda")
+    m = cuda.mapped_array(16, np.float32)
+    m[:] = np.arange(16)
+    x = imp(m)
+    assert x.sharding.memory_kind == "pinned_host"
+    assert ptr(x) == m.__cuda_array_interface__["data"][0]
+    np.testing.assert_array_equal(np.asarray(x), np.arange(16))
+    y = jax.device_put(x, jax.devices("cuda")[0])
+    np.testing.assert_array_equal(np.asarray(y * 2), np.arange(16) * 2)
+
+
+def test_managed_memory_cupy_pool():
+    pool = cp.cuda.MemoryPool(cp.cuda.malloc_managed)
+    with cp.cuda.using_allocator(pool.malloc):
+        a = cp.arange(1000, dtype=cp.float32)
+    assert ext.pointer_info(a.data.ptr)[0] == "managed"
+    x = imp(a)
+    assert x.sharding.memory_kind == "device"
+    assert ptr(x) == a.data.ptr
+    np.testing.assert_array_equal(np.asarray(x + 1), np.arange(1000) + 1)
+
+
+# --- copy / device ----------------------------------------------------------
+
+def test_copy_true_and_device():
+    a = cp.arange(8, dtype=cp.float32)
+    x = imp(a, copy=True)
+    assert ptr(x) != a.data.ptr
+    x.block_until_ready()
+    a[:] = -1
+    cp.cuda.Device().synchronize()
+    np.testing.assert_array_equal(np.asarray(x), np.arange(8))
+    dev = jax.devices("cuda")[0]
+    y = imp(a, device=dev, copy=False)
+    assert ptr(y) == a.data.ptr
+    cpu = jax.devices("cpu")[0]
+    z = imp(a, device=cpu)
+    assert z.devices() == {cpu}
+    with pytest.raises(BufferError, match="copy"):
+        imp(a, device=cpu, copy=False)
+
+
+# --- install ----------------------------------------------------------------
+
+def test_installed_asarray_is_zero_copy_and_ordered():
+    jax_overlay.install()
+    try:
+        s = cp.cuda.Stream(non_blocking=True)
+        a = cp.zeros(1 << 20, cp.float32)
+        stale = 0
+        with s:
+            for k in range(1, 51):
+                spin_fill(a, float(k), ms=0.5, stream=s)
+                x = jnp.asarray(a)
+                assert ptr(x) == a.data.ptr
+                stale += float(jnp.min(x)) != k
+        assert stale == 0
+        y = jnp.array(a)
+        assert ptr(y) != a.data.ptr
+    finally:
+        jax_overlay.uninstall()
