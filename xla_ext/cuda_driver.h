@@ -39,7 +39,9 @@ bool QueryPointer(uintptr_t ptr, PointerInfo* out, Error* err);
 
 // Makes `consumer` wait on the GPU for everything already enqueued on
 // `producer` (1 = legacy, 2 = per-thread, or a handle), without blocking the
-// host.  When `producer` is already idle nothing is enqueued and *waited is
+// host.  A handle must be a live stream of that device: the driver cannot
+// validate handles and may crash on a dangling one, as every consumer of the
+// protocol would.  When `producer` is already idle nothing is enqueued and *waited is
 // false, so callers can skip their own event bookkeeping.
 bool OrderAfter(int ordinal, uintptr_t producer, uintptr_t consumer,
                 bool* waited, Error* err);
