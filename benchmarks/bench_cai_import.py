@@ -42,7 +42,11 @@ def median_us(fn, make_arg, repeats=REPEATS, rounds=ROUNDS, keep=None):
         for a in args:
             keep.append(fn(a))
         per_round.append((time.perf_counter_ns() - t0) / repeats / 1e3)
+    ROUND_MEANS.append([round(r, 2) for r in per_round])
     return statistics.median(per_round)
+
+
+ROUND_MEANS = []
 
 
 def main():
@@ -63,6 +67,7 @@ def main():
         if inflight:
             spin_fill(cp.empty(1, cp.float32), 0.0, ms=1000.0, stream=busy)
         res[name] = round(median_us(fn, make_arg, keep=keep), 2)
+        print(f"  rounds of {name}: {ROUND_MEANS[-1]}", file=sys.stderr)
         if inflight:
             res[name + " (producer still busy after)"] = not busy.done
             t0 = time.perf_counter()
@@ -98,6 +103,8 @@ def main():
     run("floor: a.__cuda_array_interface__ (CuPy)", lambda o: o.__cuda_array_interface__, legacy)
     run("floor: parse_cai", ext.parse_cai, lambda: cai)
     run("floor: pointer_info", ext.pointer_info, lambda: a.data.ptr)
+    run("floor: stream_idle(legacy)", lambda s: ext.stream_idle(0, s), lambda: 1)
+    run("floor: stream_idle(user)", lambda s: ext.stream_idle(0, s), lambda: busy.ptr)
     view = ext.parse_cai(cai)
     run("floor: capsule_from_cai", lambda v: ext.capsule_from_cai(v, a, 2, 0), lambda: view)
     run("floor: jaxlib dlpack import (no stream)",

@@ -150,6 +150,27 @@ def test_import_does_not_block_host(kind):
     assert float(jnp.min(x)) == 7.0
 
 
+@pytest.mark.parametrize("kind", list(STREAMS))
+def test_many_imports_while_producer_busy_never_block(kind):
+    stream, handle = STREAMS[kind]()
+    arrays = [cp.zeros(256, cp.float32) for _ in range(8)]
+    cp.cuda.Device().synchronize()
+    spin_fill(cp.empty(1, cp.float32), 0.0, ms=1500.0, stream=stream)
+    kept, worst = [], 0.0
+    t_all = time.perf_counter()
+    for i in range(2000):
+        t0 = time.perf_counter()
+        kept.append(imp(WithStream(arrays[i % 8], handle)))
+        worst = max(worst, time.perf_counter() - t0)
+        if i % 100 == 99:
+            del kept[:50]  # drop some while still in flight
+    total = time.perf_counter() - t_all
+    still_busy = not stream.done
+    stream.synchronize()
+    assert still_busy, f"the producer ended within {total * 1e3:.0f} ms: an import waited for it"
+    assert worst < 0.05, f"one import took {worst * 1e3:.1f} ms"
+
+
 def test_cupy_exported_stream_is_honoured():
     s = cp.cuda.Stream(non_blocking=True)
     a = cp.zeros(1 << 20, cp.float32)
@@ -224,11 +245,6 @@ def test_inflight_jax_computation_keeps_memory():
     both the JAX array and the producer object are dropped: the memory must
     stay with JAX until the computation has read it."""
     n = 1 << 24
-    s = cp.cuda.Stream(non_blocking=True)
-    a = cp.zeros(n, cp.float32)
-    ref_ptr = a.data.ptr
-    spin_fill(a, 2.0, ms=300.0, stream=s)
-    x = imp(WithStream(a, s.ptr))
 
     @jax.jit
     def heavy(v):
@@ -236,6 +252,12 @@ def test_inflight_jax_computation_keeps_memory():
             v = jnp.sqrt(v * v + 1.0) - 0.5
         return v
 
+    heavy(jnp.zeros(n, jnp.float32)).block_until_ready()  # compile first
+    s = cp.cuda.Stream(non_blocking=True)
+    a = cp.zeros(n, cp.float32)
+    ref_ptr = a.data.ptr
+    spin_fill(a, 2.0, ms=300.0, stream=s)
+    x = imp(WithStream(a, s.ptr))
     y = heavy(x)  # queued behind the producer's kernel
     del x, a
     gc.collect()
