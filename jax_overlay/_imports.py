@@ -5,8 +5,6 @@ jaxlib's DLPack import."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import numpy as np
 
@@ -27,90 +25,69 @@ def _cai_dict(obj):
             "PyTorch or another producer of the CUDA Array Interface") from None
 
 
-class Place(NamedTuple):
-    """Where an imported pointer lives, as the import needs it."""
-    device: object       # the JAX device
-    dl_type: int         # DLPack device type of the memory
-    ordinal: int         # the CUDA ordinal (or 0 on the host)
-    range_start: int     # the allocation holding the pointer (0: unknown)
-    alignment: int       # what a zero-copy view needs of the pointer
-    stream: int | None   # pass to jaxlib's import: its event goes there
-
-
-def locate_cuda(view) -> Place:
-    kind, ordinal, _, _, range_start, _ = ext.pointer_info(view.data)
-    if kind == "not_cuda":
-        raise BufferError(
-            f"__cuda_array_interface__['data'][0] = {view.data:#x} is not CUDA "
-            "memory (pageable host memory?); for host data use "
-            "jax.device_put(numpy_array) or pin it first")
-    device = rt.gpu_device(ordinal)
-    pinned = kind == "pinned_host"
-    return Place(device, _KDLCUDAHOST if pinned else _KDLCUDA, ordinal,
-                 range_start, 1 if pinned else _strided.GPU_ALIGNMENT,
-                 _order(view, ordinal, device))
+# Tests set this to run the whole path on host memory (kDLCPU, no driver).
+_host_memory = False
 
 
 def _order(view, ordinal, device):
-    """The stream to pass to jaxlib's import: JAX's ready stream after it was
-    made to wait on the producer, or None when no wait is needed (no stream
-    given, or the producer's stream is already idle: that skips PJRT's own
-    event, the dearest part of the import)."""
-    producer = view.stream
-    if producer is None:
-        return None
+    """JAX's ready stream, made to wait on the GPU for the producer's pending
+    work; jaxlib's import then records its definition event there.  None if
+    the producer went idle meanwhile: that skips PJRT's event, the dearest
+    part of an import."""
     consumer = rt.ready_stream(device)
-    return consumer if ext.order_after(ordinal, producer, consumer) else None
+    return consumer if ext.order_after(ordinal, view.stream, consumer) else None
 
 
-def _empty(view):
+def _empty(view, host):
     kind = "device"
-    if view.data and ext.pointer_info(view.data)[0] == "pinned_host":
-        kind = "pinned_host"
-    dev = rt.gpu_backend().local_devices()[0]
-    host = np.empty(view.shape, np.dtype(view.typestr))
-    return jax.device_put(host, rt.memory_sharding(dev, kind))
+    if host:
+        dev = jax.devices("cpu")[0]
+    else:
+        if view.data and ext.pointer_info(view.data)[0] == "pinned_host":
+            kind = "pinned_host"
+        dev = rt.gpu_backend().local_devices()[0]
+    host_array = np.empty(view.shape, np.dtype(view.typestr))
+    return jax.device_put(host_array, rt.memory_sharding(dev, kind))
 
 
-def import_cai(obj, cai=None, *, copy=None, locate=None):
+def import_cai(obj, cai=None, *, copy=None, host=None):
     """(array, copied): a JAX view of `obj`'s memory, or one copy on the same
     device when the layout or alignment rules out a view (copy=False then
-    raises BufferError).  `locate` finds the memory (tests pass a host
-    locator to run this same path on the CPU)."""
-    view = ext.parse_cai(_cai_dict(obj) if cai is None else cai)
-    if view.numel == 0:
-        return _empty(view), False
-    place = (locate or locate_cuda)(view)
-    if view.layout != "strided" and view.data % place.alignment == 0:
-        cap = ext.capsule_from_cai(view, obj, place.dl_type, place.ordinal)
-        return rt.capsule_to_array(cap, place.device, place.stream, None,
-                                   place.dl_type), False
+    raises BufferError)."""
+    host = _host_memory if host is None else host
+    cap, view, dl_type, ordinal, range_start, alignment, busy = ext.plan_cai_import(
+        _cai_dict(obj) if cai is None else cai, obj, host)
+    if cap is None and view.numel == 0:
+        return _empty(view, host), False
+    device = rt.host_device() if host else rt.gpu_device(ordinal)
+    stream = _order(view, ordinal, device) if busy else None
+    if cap is not None:
+        return rt.capsule_to_array(cap, device, stream, None, dl_type), False
 
     if copy is False:
         why = ("its strides are not a compact layout" if view.layout == "strided"
-               else f"its pointer {view.data:#x} is not {place.alignment}-byte aligned")
+               else f"its pointer {view.data:#x} is not {alignment}-byte aligned")
         raise BufferError(
             f"cannot import the array without a copy: {why} "
             f"(shape {view.shape}, strides {view.strides} elements); pass "
             "copy=None or copy=True for one copy on the same device")
     base, count, unit, offset = _strided.plan(
-        view.data, view.low, view.span, view.itemsize, place.range_start,
-        max(place.alignment, _strided.GPU_ALIGNMENT))
+        view.data, view.low, view.span, view.itemsize, range_start,
+        _strided.GPU_ALIGNMENT)
     cap = ext.raw_capsule(obj, base, [count], None,
                           view.typestr if unit == view.itemsize else "|u1",
-                          place.dl_type, place.ordinal)
-    envelope = rt.capsule_to_array(cap, place.device, place.stream, None,
-                                   place.dl_type)
-    pinned = place.dl_type == _KDLCUDAHOST
+                          dl_type, ordinal)
+    envelope = rt.capsule_to_array(cap, device, stream, None, dl_type)
+    pinned = dl_type == _KDLCUDAHOST
     if pinned:
         # XLA computes on device memory: move the envelope once, gather there,
         # and put the compact result back where the producer kept it.
-        envelope = jax.device_put(envelope, rt.memory_sharding(place.device, "device"))
+        envelope = jax.device_put(envelope, rt.memory_sharding(device, "device"))
     strides = view.strides if view.strides is not None else _row_major(view.shape)
     out = _strided.gather(envelope, view.shape, strides, offset,
                           view.typestr, unit)
     if pinned:
-        out = jax.device_put(out, rt.memory_sharding(place.device, "pinned_host"))
+        out = jax.device_put(out, rt.memory_sharding(device, "pinned_host"))
     return out, True
 
 
@@ -134,7 +111,9 @@ def _same_place(arr, device):
 def finish(arr, copied, *, device=None, copy=None):
     """Applies the Array API's device/copy rules and JAX's dtype
     canonicalisation to a fresh import."""
-    dtype = rt.canonical(arr.dtype)
+    dtype = arr.dtype
+    if dtype.itemsize == 8 and dtype.kind != "c" or dtype.itemsize == 16:
+        dtype = rt.canonical(dtype)  # only 64-bit types can be narrowed
     if dtype != arr.dtype:
         if copy is False:
             raise BufferError(

@@ -47,6 +47,11 @@ def gpu_device(ordinal: int):
     return dev
 
 
+@functools.cache
+def host_device():
+    return jax.devices("cpu")[0]
+
+
 def ready_stream(device) -> int:
     """The stream JAX orders DLPack imports on (the definition event of an
     import is recorded there); stable for the life of the device."""

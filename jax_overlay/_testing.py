@@ -36,15 +36,10 @@ class HostCAI:
         return self.cai
 
 
-def locate_host(view):
-    # XLA's CPU client views 16-byte aligned memory; jaxlib itself copies
-    # anything else, so the alignment asked of the view path is the same.
-    return _imports.Place(jax.devices("cpu")[0], _KDLCPU, 0, 0, 16, None)
-
-
 def import_host(obj, *, copy=None, device=None):
-    """jax_overlay.from_cuda_array_interface, with host memory located."""
-    arr, copied = _imports.import_cai(obj, copy=copy, locate=locate_host)
+    """jax_overlay.from_cuda_array_interface, reading the pointer as host
+    memory: the same native plan and Python path, with kDLCPU capsules."""
+    arr, copied = _imports.import_cai(obj, copy=copy, host=True)
     return _imports.finish(arr, copied, device=device, copy=copy)
 
 

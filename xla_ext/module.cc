@@ -9,6 +9,7 @@
 #include "cuda_driver.h"
 #include "dlpack_abi.h"
 #include "error.h"
+#include "import_plan.h"
 #include "layout.h"
 
 namespace py = pybind11;
@@ -147,6 +148,28 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.def("parse_cai", &Parse, py::arg("cai"),
         "Validates a __cuda_array_interface__ dict; raises TypeError, "
         "ValueError or BufferError naming the bad field.");
+
+  m.def(
+      "plan_cai_import",
+      [](py::handle cai, py::handle owner, bool host) {
+        ImportPlan plan;
+        Error err;
+        if (!PlanCaiImport(cai.ptr(), owner.ptr(), host, &plan, &err)) {
+          Raise(err);
+        }
+        py::object capsule = plan.capsule
+                                 ? py::reinterpret_steal<py::object>(plan.capsule)
+                                 : py::none();
+        return py::make_tuple(capsule, std::move(plan.view),
+                              plan.dl_device_type, plan.ordinal,
+                              plan.range_start, plan.alignment,
+                              plan.producer_busy);
+      },
+      py::arg("cai"), py::arg("owner"), py::arg("host") = false,
+      "(capsule or None, view, dl_device_type, ordinal, range_start, "
+      "alignment, producer_busy): validate, locate, and build the zero-copy "
+      "capsule when a view is possible.  host=True treats the pointer as "
+      "host memory (tests).");
 
   m.def(
       "capsule_from_cai",

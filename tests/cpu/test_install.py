@@ -16,7 +16,7 @@ from jax_overlay import _testing as T
 @pytest.fixture
 def routed(monkeypatch):
     """install(), with host memory located so the routed path runs on CPU."""
-    monkeypatch.setattr(_imports, "locate_cuda", T.locate_host)
+    monkeypatch.setattr(_imports, "_host_memory", True)
     jax_overlay.install()
     yield
     jax_overlay.uninstall()

@@ -1,0 +1,69 @@
+#include "import_plan.h"
+
+#include <cstdio>
+#include <string>
+
+#include "capsule.h"
+#include "dlpack_abi.h"
+
+namespace jxo {
+
+bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
+                   Error* err) {
+  CaiSpec& v = out->view;
+  // Validation first: a malformed dict gets its real error on any machine.
+  if (!ParseCai(cai, &v, err)) return false;
+  if (v.layout.numel == 0) return true;  // nothing to view or order
+
+  if (host) {
+    out->dl_device_type = dl::kCPU;
+    out->ordinal = 0;
+    out->alignment = kHostAlignment;
+  } else {
+    cuda::PointerInfo info;
+    if (!cuda::QueryPointer(v.data, &info, err)) return false;
+    if (info.kind == cuda::MemoryKind::kNotCuda) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf,
+                    "__cuda_array_interface__['data'][0] = 0x%llx is not CUDA "
+                    "memory (pageable host memory?); ",
+                    static_cast<unsigned long long>(v.data));
+      return Fail(err, ErrorKind::kBuffer,
+                  std::string(buf) +
+                      "for host data use jax.device_put(numpy_array) or pin "
+                      "it first");
+    }
+    bool pinned = info.kind == cuda::MemoryKind::kPinnedHost;
+    // Managed memory is device-accessible: JAX holds it as device memory.
+    out->dl_device_type = pinned ? dl::kCUDAHost : dl::kCUDA;
+    out->ordinal = info.ordinal;
+    out->range_start = info.range_start;
+    // Pinned host arrays are only moved by DMA, which has no alignment need.
+    out->alignment = pinned ? 1 : kGpuAlignment;
+    if (v.has_stream) {
+      bool idle = true;
+      if (!cuda::StreamIdle(info.ordinal, v.stream, &idle, err)) return false;
+      out->producer_busy = !idle;
+    }
+  }
+
+  if (v.layout.kind != LayoutKind::kStrided && v.data % out->alignment == 0) {
+    TensorDesc d;
+    d.data = reinterpret_cast<void*>(v.data);
+    d.device = {out->dl_device_type, out->ordinal};
+    d.dtype = v.dtype;
+    d.ndim = static_cast<int32_t>(v.shape.size());
+    d.shape = v.shape.data();
+    // Row-major goes without strides: JAX then uses its default layout.
+    d.strides = v.layout.kind == LayoutKind::kRowMajor ? nullptr
+                                                        : v.strides.data();
+    out->capsule = NewOwnedCapsule(d, owner, /*versioned=*/false);
+    if (!out->capsule) {
+      PyErr_Clear();
+      return Fail(err, ErrorKind::kBuffer, "could not allocate a capsule");
+    }
+  }
+  return true;
+}
+
+}  // namespace jxo

@@ -1,0 +1,38 @@
+// The native half of an import: validate the CAI dict, find the memory,
+// build the zero-copy capsule when a view is possible, and report whether
+// the producer's stream still has work: all in one call, so the Python glue
+// on the hot path is a dictionary lookup and jaxlib's import.
+#ifndef JAX_OVERLAY_XLA_EXT_IMPORT_PLAN_H_
+#define JAX_OVERLAY_XLA_EXT_IMPORT_PLAN_H_
+
+#include <Python.h>
+
+#include "cai.h"
+#include "cuda_driver.h"
+#include "error.h"
+
+namespace jxo {
+
+// XLA's GPU code assumes 16-byte aligned entry parameters (vector loads).
+constexpr uintptr_t kGpuAlignment = 16;
+// XLA's CPU client views 16-byte aligned host memory.
+constexpr uintptr_t kHostAlignment = 16;
+
+struct ImportPlan {
+  CaiSpec view;
+  int dl_device_type = 0;      // kDLCUDA, kDLCUDAHost or kDLCPU
+  int ordinal = 0;
+  uintptr_t range_start = 0;   // allocation start, when the driver knows it
+  uintptr_t alignment = 1;     // what a zero-copy view needs of the pointer
+  PyObject* capsule = nullptr;  // new reference, or nullptr: a copy is needed
+  bool producer_busy = false;  // the v3 stream still has work enqueued
+};
+
+// `host` treats the pointer as host memory without asking the driver (the
+// test entry that lets CI run this same path on NumPy buffers).
+bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
+                   Error* err);
+
+}  // namespace jxo
+
+#endif  // JAX_OVERLAY_XLA_EXT_IMPORT_PLAN_H_
