@@ -110,10 +110,11 @@ def main():
     run("floor: jaxlib dlpack import (no stream)",
         lambda c: rt.capsule_to_array(c, dev, None, None, 2),
         lambda: ext.capsule_from_cai(view, a, 2, 0))
-    stream = rt.ready_stream(dev)
-    run("floor: jaxlib dlpack import (with stream event)",
-        lambda c: rt.capsule_to_array(c, dev, stream, None, 2),
+    ready = int(dev.get_stream_for_external_ready_events())
+    run("floor: jaxlib dlpack import (with PJRT stream event)",
+        lambda c: rt.capsule_to_array(c, dev, ready, None, 2),
         lambda: ext.capsule_from_cai(view, a, 2, 0))
+    stream = rt.compute_stream(dev)
     run("floor: order_after (busy producer)",
         lambda s: ext.order_after(0, s, stream), lambda: busy.ptr, inflight=True)
 

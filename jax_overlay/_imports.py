@@ -30,12 +30,12 @@ _host_memory = False
 
 
 def _order(view, ordinal, device):
-    """JAX's ready stream, made to wait on the GPU for the producer's pending
-    work; jaxlib's import then records its definition event there.  None if
-    the producer went idle meanwhile: that skips PJRT's event, the dearest
-    part of an import."""
-    consumer = rt.ready_stream(device)
-    return consumer if ext.order_after(ordinal, view.stream, consumer) else None
+    """Makes JAX's compute stream wait, on the GPU, for the work already
+    enqueued on the producer's stream.  jaxlib's import (without a stream)
+    then records the array's definition event on that same stream, behind
+    the wait: the array is defined only once the producer is done, and no
+    host thread ever waits for it."""
+    ext.order_after(ordinal, view.stream, rt.compute_stream(device))
 
 
 def _empty(view, host):
@@ -60,9 +60,10 @@ def import_cai(obj, cai=None, *, copy=None, host=None):
     if cap is None and view.numel == 0:
         return _empty(view, host), False
     device = rt.host_device() if host else rt.gpu_device(ordinal)
-    stream = _order(view, ordinal, device) if busy else None
+    if busy:
+        _order(view, ordinal, device)
     if cap is not None:
-        return rt.capsule_to_array(cap, device, stream, None, dl_type), False
+        return rt.capsule_to_array(cap, device, None, None, dl_type), False
 
     if copy is False:
         why = ("its strides are not a compact layout" if view.layout == "strided"
@@ -77,7 +78,7 @@ def import_cai(obj, cai=None, *, copy=None, host=None):
     cap = ext.raw_capsule(obj, base, [count], None,
                           view.typestr if unit == view.itemsize else "|u1",
                           dl_type, ordinal)
-    envelope = rt.capsule_to_array(cap, device, stream, None, dl_type)
+    envelope = rt.capsule_to_array(cap, device, None, None, dl_type)
     pinned = dl_type == _KDLCUDAHOST
     if pinned:
         # XLA computes on device memory: move the envelope once, gather there,

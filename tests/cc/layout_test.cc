@@ -1,5 +1,5 @@
 // AnalyzeLayout: classification, envelope and overflow reporting.
-#include "layout.h"
+#include "xla_ext/layout.h"
 
 #include <cstdint>
 #include <string>

@@ -141,13 +141,19 @@ def test_control_unordered_import_reads_stale():
 def test_import_does_not_block_host(kind):
     stream, handle = STREAMS[kind]()
     a = cp.zeros(1 << 16, cp.float32)
+    inc = jax.jit(lambda v: v + 1)
+    inc(imp(a)).block_until_ready()  # compile outside the timed part
     spin_fill(a, 7.0, ms=200.0, stream=stream)
     t0 = time.perf_counter()
     x = imp(WithStream(a, handle))
     dt = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    y = inc(x)  # JAX's own use must not wait either
+    dt_use = time.perf_counter() - t0
     assert not stream.done, "the producer finished before we could check"
     assert dt < 0.1, f"import took {dt * 1e3:.1f} ms: it waited on the host"
-    assert float(jnp.min(x)) == 7.0
+    assert dt_use < 0.1, f"using the import took {dt_use * 1e3:.1f} ms: it waited on the host"
+    assert float(jnp.min(y)) == 8.0
 
 
 @pytest.mark.parametrize("kind", list(STREAMS))

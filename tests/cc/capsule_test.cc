@@ -1,0 +1,250 @@
+// DLPack capsules: NewOwnedCapsule copies the description and holds the
+// owner, each deleter runs exactly once (from the capsule, a consumer, or
+// another thread), and VersionedToLegacyCapsule chains to the original.
+#include "xla_ext/capsule.h"
+
+#include <Python.h>
+
+#include <cstring>
+#include <thread>
+
+#include "tests/cc/check.h"
+
+namespace dl = jxo::dl;
+
+namespace {
+
+struct Counts {
+  int64_t live, released;
+};
+Counts Now() { return {jxo::LiveTensors(), jxo::ReleasedTensors()}; }
+
+// A 2x3 float32 tensor description; the arrays outlive no capsule.
+int64_t kShape[] = {2, 3};
+int64_t kStrides[] = {1, 2};
+float kData[6];
+
+jxo::TensorDesc Desc(bool with_strides) {
+  jxo::TensorDesc d;
+  d.data = kData;
+  d.ndim = 2;
+  d.shape = kShape;
+  d.strides = with_strides ? kStrides : nullptr;
+  d.byte_offset = 8;
+  d.flags = dl::kFlagReadOnly;
+  return d;
+}
+
+// A producer-owned versioned tensor, as another library would hand out.
+struct Foreign {
+  dl::ManagedTensorVersioned m{};
+  int64_t shape[1] = {6};
+  int deleted = 0;
+};
+void ForeignDeleter(dl::ManagedTensorVersioned* t) {
+  ++static_cast<Foreign*>(t->manager_ctx)->deleted;
+}
+PyObject* ForeignCapsule(Foreign* f) {
+  f->m.version = {1, 0};
+  f->m.manager_ctx = f;
+  f->m.deleter = ForeignDeleter;
+  f->m.dl_tensor.data = kData;
+  f->m.dl_tensor.device = {dl::kCPU, 0};
+  f->m.dl_tensor.ndim = 1;
+  f->m.dl_tensor.dtype = {dl::kFloat, 32, 1};
+  f->m.dl_tensor.shape = f->shape;
+  // No destructor of its own: only ForeignDeleter releases it.
+  return PyCapsule_New(&f->m, dl::kCapsuleVersioned, nullptr);
+}
+
+}  // namespace
+
+TEST(LegacyCapsuleCopiesTheDescriptionAndHoldsTheOwner) {
+  PyObject* owner = PyList_New(0);
+  Py_ssize_t refs = Py_REFCNT(owner);
+  Counts before = Now();
+  PyObject* cap = jxo::NewOwnedCapsule(Desc(false), owner, false);
+  REQUIRE(cap != nullptr);
+  CHECK(PyCapsule_IsValid(cap, dl::kCapsuleLegacy));
+  CHECK_EQ(Py_REFCNT(owner), refs + 1);
+  CHECK_EQ(jxo::LiveTensors(), before.live + 1);
+
+  auto* t = static_cast<dl::ManagedTensor*>(
+      PyCapsule_GetPointer(cap, dl::kCapsuleLegacy));
+  REQUIRE(t != nullptr);
+  CHECK(t->dl_tensor.data == static_cast<void*>(kData));
+  CHECK_EQ(t->dl_tensor.ndim, 2);
+  CHECK(t->dl_tensor.shape != kShape);  // a copy, not the caller's array
+  CHECK_EQ(t->dl_tensor.shape[0], 2);
+  CHECK_EQ(t->dl_tensor.shape[1], 3);
+  CHECK(t->dl_tensor.strides == nullptr);
+  CHECK_EQ(t->dl_tensor.byte_offset, uint64_t{8});
+  CHECK_EQ(t->dl_tensor.device.device_type, int32_t{dl::kCPU});
+  CHECK_EQ(int(t->dl_tensor.dtype.code), int(dl::kFloat));
+  CHECK_EQ(int(t->dl_tensor.dtype.bits), 32);
+
+  Py_DECREF(cap);  // never consumed: the capsule's destructor deletes
+  CHECK_EQ(Py_REFCNT(owner), refs);
+  CHECK_EQ(jxo::LiveTensors(), before.live);
+  CHECK_EQ(jxo::ReleasedTensors(), before.released + 1);
+  Py_DECREF(owner);
+}
+
+TEST(VersionedCapsuleCarriesVersionFlagsAndStrides) {
+  PyObject* owner = PyList_New(0);
+  Py_ssize_t refs = Py_REFCNT(owner);
+  PyObject* cap = jxo::NewOwnedCapsule(Desc(true), owner, true);
+  REQUIRE(cap != nullptr);
+  CHECK_EQ(std::string(PyCapsule_GetName(cap)), std::string("dltensor_versioned"));
+  auto* t = static_cast<dl::ManagedTensorVersioned*>(
+      PyCapsule_GetPointer(cap, dl::kCapsuleVersioned));
+  REQUIRE(t != nullptr);
+  CHECK_EQ(t->version.major, dl::kMajorVersion);
+  CHECK_EQ(t->version.minor, dl::kMinorVersion);
+  CHECK_EQ(t->flags, dl::kFlagReadOnly);
+  REQUIRE(t->dl_tensor.strides != nullptr);
+  CHECK(t->dl_tensor.strides != kStrides);
+  CHECK_EQ(t->dl_tensor.strides[0], 1);
+  CHECK_EQ(t->dl_tensor.strides[1], 2);
+  Py_DECREF(cap);
+  CHECK_EQ(Py_REFCNT(owner), refs);
+  Py_DECREF(owner);
+}
+
+TEST(ConsumedCapsuleLeavesTheDeleterToTheConsumer) {
+  PyObject* owner = PyList_New(0);
+  Py_ssize_t refs = Py_REFCNT(owner);
+  Counts before = Now();
+  PyObject* cap = jxo::NewOwnedCapsule(Desc(false), owner, false);
+  REQUIRE(cap != nullptr);
+  jxo::TakenTensor taken = jxo::TakeTensor(cap);
+  REQUIRE(taken.tensor != nullptr);
+  CHECK(!taken.versioned);
+  CHECK_EQ(std::string(PyCapsule_GetName(cap)), std::string("used_dltensor"));
+
+  // A second consumer is refused.
+  CHECK(jxo::TakeTensor(cap).tensor == nullptr);
+  CHECK(PyErr_ExceptionMatches(PyExc_BufferError));
+  PyErr_Clear();
+
+  Py_DECREF(cap);  // the used capsule must not delete
+  CHECK_EQ(jxo::ReleasedTensors(), before.released);
+  CHECK_EQ(Py_REFCNT(owner), refs + 1);
+
+  jxo::CallDeleter(taken);
+  CHECK_EQ(jxo::ReleasedTensors(), before.released + 1);
+  CHECK_EQ(jxo::LiveTensors(), before.live);
+  CHECK_EQ(Py_REFCNT(owner), refs);
+  Py_DECREF(owner);
+}
+
+TEST(DeleterOnAnotherThreadWithoutTheGil) {
+  PyObject* owner = PyList_New(0);
+  Py_ssize_t refs = Py_REFCNT(owner);
+  PyObject* cap = jxo::NewOwnedCapsule(Desc(true), owner, true);
+  REQUIRE(cap != nullptr);
+  jxo::TakenTensor taken = jxo::TakeTensor(cap);
+  Py_DECREF(cap);
+  REQUIRE(taken.versioned);
+  Py_BEGIN_ALLOW_THREADS
+  std::thread([taken] { jxo::CallDeleter(taken); }).join();
+  Py_END_ALLOW_THREADS
+  CHECK_EQ(Py_REFCNT(owner), refs);
+  Py_DECREF(owner);
+}
+
+TEST(DeleterKeepsAPendingException) {
+  PyObject* owner = PyList_New(0);
+  PyObject* cap = jxo::NewOwnedCapsule(Desc(false), owner, false);
+  REQUIRE(cap != nullptr);
+  PyErr_SetString(PyExc_RuntimeError, "in flight");
+  Py_DECREF(cap);
+  CHECK(PyErr_ExceptionMatches(PyExc_RuntimeError));
+  PyErr_Clear();
+  CHECK_EQ(Py_REFCNT(owner), Py_ssize_t{1});
+  Py_DECREF(owner);
+}
+
+TEST(BadDescriptionFailsWithoutTakingTheOwner) {
+  PyObject* owner = PyList_New(0);
+  jxo::TensorDesc d = Desc(false);
+  d.ndim = -1;
+  Counts before = Now();
+  CHECK(jxo::NewOwnedCapsule(d, owner, false) == nullptr);
+  CHECK(PyErr_ExceptionMatches(PyExc_ValueError));
+  PyErr_Clear();
+  CHECK_EQ(Py_REFCNT(owner), Py_ssize_t{1});
+  CHECK_EQ(jxo::LiveTensors(), before.live);
+  Py_DECREF(owner);
+}
+
+TEST(VersionedToLegacyChainsToTheForeignDeleterOnce) {
+  Foreign f;
+  PyObject* versioned = ForeignCapsule(&f);
+  REQUIRE(versioned != nullptr);
+  Counts before = Now();
+  PyObject* legacy = jxo::VersionedToLegacyCapsule(versioned);
+  REQUIRE(legacy != nullptr);
+  CHECK_EQ(std::string(PyCapsule_GetName(versioned)),
+           std::string("used_dltensor_versioned"));
+  CHECK(PyCapsule_IsValid(legacy, dl::kCapsuleLegacy));
+  auto* t = static_cast<dl::ManagedTensor*>(
+      PyCapsule_GetPointer(legacy, dl::kCapsuleLegacy));
+  REQUIRE(t != nullptr);
+  CHECK(t->dl_tensor.shape == f.shape);  // still the producer's
+  CHECK_EQ(t->dl_tensor.shape[0], 6);
+
+  Py_DECREF(versioned);
+  CHECK_EQ(f.deleted, 0);
+  CHECK_EQ(jxo::LiveTensors(), before.live + 1);
+  Py_DECREF(legacy);
+  CHECK_EQ(f.deleted, 1);
+  CHECK_EQ(jxo::LiveTensors(), before.live);
+  CHECK_EQ(jxo::ReleasedTensors(), before.released + 1);
+}
+
+TEST(VersionedToLegacyOfAnOwnedCapsuleReturnsTheOwner) {
+  PyObject* owner = PyList_New(0);
+  Py_ssize_t refs = Py_REFCNT(owner);
+  Counts before = Now();
+  PyObject* versioned = jxo::NewOwnedCapsule(Desc(true), owner, true);
+  REQUIRE(versioned != nullptr);
+  PyObject* legacy = jxo::VersionedToLegacyCapsule(versioned);
+  REQUIRE(legacy != nullptr);
+  Py_DECREF(versioned);
+  CHECK_EQ(Py_REFCNT(owner), refs + 1);
+  jxo::TakenTensor taken = jxo::TakeTensor(legacy);  // as a consumer would
+  Py_DECREF(legacy);
+  CHECK_EQ(Py_REFCNT(owner), refs + 1);
+  jxo::CallDeleter(taken);
+  CHECK_EQ(Py_REFCNT(owner), refs);
+  CHECK_EQ(jxo::LiveTensors(), before.live);
+  CHECK_EQ(jxo::ReleasedTensors(), before.released + 2);  // chain + block
+  Py_DECREF(owner);
+}
+
+TEST(VersionedToLegacyRefusesOtherObjects) {
+  PyObject* not_capsule = PyLong_FromLong(1);
+  CHECK(jxo::VersionedToLegacyCapsule(not_capsule) == nullptr);
+  CHECK(PyErr_ExceptionMatches(PyExc_TypeError));
+  PyErr_Clear();
+  Py_DECREF(not_capsule);
+
+  PyObject* owner = PyList_New(0);
+  PyObject* legacy = jxo::NewOwnedCapsule(Desc(false), owner, false);
+  REQUIRE(legacy != nullptr);
+  CHECK(jxo::VersionedToLegacyCapsule(legacy) == nullptr);
+  CHECK(PyErr_Occurred() != nullptr);
+  PyErr_Clear();
+  CHECK(PyCapsule_IsValid(legacy, dl::kCapsuleLegacy));  // untouched
+  Py_DECREF(legacy);
+  CHECK_EQ(Py_REFCNT(owner), Py_ssize_t{1});
+  Py_DECREF(owner);
+}
+
+int main(int, char**) {
+  Py_InitializeEx(0);
+  int rc = ::check::RunAll("capsule_test");
+  if (Py_FinalizeEx() != 0) rc = 1;
+  return rc;
+}
