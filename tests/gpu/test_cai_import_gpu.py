@@ -258,9 +258,11 @@ def test_inflight_jax_computation_keeps_memory():
             v = jnp.sqrt(v * v + 1.0) - 0.5
         return v
 
-    heavy(jnp.zeros(n, jnp.float32)).block_until_ready()  # compile first
     s = cp.cuda.Stream(non_blocking=True)
     a = cp.zeros(n, cp.float32)
+    # Compile for an imported (committed) array first: compiling while JAX's
+    # stream waits on the producer would itself wait for the producer.
+    heavy(imp(a)).block_until_ready()
     ref_ptr = a.data.ptr
     spin_fill(a, 2.0, ms=300.0, stream=s)
     x = imp(WithStream(a, s.ptr))

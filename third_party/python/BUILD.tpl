@@ -5,6 +5,8 @@ load("@bazel_tools//tools/python:toolchain.bzl", "py_runtime_pair")
 
 package(default_visibility = ["//visibility:public"])
 
+exports_files(["environment.txt"])
+
 cc_library(
     name = "python_headers",
     hdrs = glob(["python_include/**/*.h"]),

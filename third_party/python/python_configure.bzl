@@ -5,7 +5,7 @@ toolchain, so that builds and tests use exactly the Python the user chose."""
 # Printed as JSON by the configured Python itself, so a venv, pyenv or
 # Debian Python each report their own layout.
 _QUERY = """
-import json, os, sys, sysconfig
+import importlib.metadata, json, os, sys, sysconfig
 import pybind11
 var = sysconfig.get_config_var
 if var("Py_ENABLE_SHARED"):
@@ -21,6 +21,9 @@ print(json.dumps({
     "pybind11_include": pybind11.get_include(),
     "linkopts": linkopts,
     "version": sys.version.split()[0],
+    "packages": sorted(
+        "%s==%s" % (d.metadata["Name"], d.version)
+        for d in importlib.metadata.distributions()),
 }))
 """
 
@@ -40,6 +43,10 @@ def _local_python_impl(ctx):
     # Symlinked rather than copied: the headers stay the ones of that Python.
     ctx.symlink(info["python_include"], "python_include")
     ctx.symlink(info["pybind11_include"], "pybind11_include")
+    # What the py_tests depend on, so that a different Python or a changed
+    # package set reruns them instead of reusing cached results.
+    ctx.file("environment.txt", "\n".join(
+        [info["executable"], info["version"]] + info["packages"]) + "\n")
     ctx.template("BUILD.bazel", ctx.attr._build_tpl, {
         "%{interpreter}": info["executable"],
         "%{linkopts}": repr(info["linkopts"]),
