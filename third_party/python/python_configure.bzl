@@ -56,6 +56,7 @@ def _local_python_impl(ctx):
 local_python = repository_rule(
     implementation = _local_python_impl,
     environ = ["PYTHON_BIN_PATH", "PATH"],
+    configure = True,
     local = True,
     attrs = {
         "_build_tpl": attr.label(default = Label("//third_party/python:BUILD.tpl")),
