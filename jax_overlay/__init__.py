@@ -5,8 +5,11 @@
     jax_overlay.install()        # jnp.asarray / jnp.array use the same path
 """
 
+from ._config import config
+from ._exports import cuda_array_interface
 from ._imports import from_cuda_array_interface
 from ._install import install, installed, uninstall
 
 __version__ = "0.1.0"
-__all__ = ["from_cuda_array_interface", "install", "installed", "uninstall"]
+__all__ = ["config", "cuda_array_interface", "from_cuda_array_interface", "install",
+           "installed", "uninstall"]

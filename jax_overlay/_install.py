@@ -10,6 +10,7 @@ import threading
 
 import jax.numpy as jnp
 
+from . import _exports
 from . import _imports
 from . import _runtime as rt
 
@@ -63,7 +64,8 @@ def _array(orig):
 
 
 def _targets():
-    return [(jnp, "asarray", _asarray), (jnp, "array", _array)]
+    return [(jnp, "asarray", _asarray), (jnp, "array", _array),
+            (rt.ArrayImpl, "__cuda_array_interface__", lambda orig: _exports.cai_property)]
 
 
 def install() -> None:
@@ -72,7 +74,9 @@ def install() -> None:
         for owner, name, make in _targets():
             if (owner, name) in _saved:
                 continue
-            orig = getattr(owner, name)
+            # The class dict, not getattr: a property must be saved as the
+            # property object, not evaluated.
+            orig = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
             _saved[(owner, name)] = orig
             setattr(owner, name, make(orig))
 

@@ -83,6 +83,14 @@ def compute_stream(device) -> int:
     return s
 
 
+def order_stream_after(x, stream: int) -> None:
+    """Makes `stream` wait, on the GPU, for the definition of `x` (jaxlib's
+    DLPack export does exactly this with an event; the host does not wait).
+    The capsule it returns holds an external reference, dropped here: the
+    array keeps its buffer."""
+    _jax.buffer_to_dlpack_managed_tensor(x, stream=stream)
+
+
 def canonical(dtype):
     return _dtypes.canonicalize_dtype(dtype)
 

@@ -52,4 +52,8 @@ while read -r target _; do
 done < <(grep -E '^//[^ ]+ +(\(cached\) )?(PASSED|FAILED)' <<<"$summary")
 echo "bazel_test.sh: $((SECONDS - start))s, exit $rc"
 echo "bazel: $passed passed, $failed failed"
+# CI leaves nothing running behind it; a developer keeps the warm server.
+if [[ -n ${CI:-} ]]; then
+  bazel shutdown
+fi
 exit $rc

@@ -1,0 +1,81 @@
+"""Median cost of the CAI export: the property and `cupy.asarray(jax_array)`
+end to end, stock JAX vs jax_overlay, in one process.
+
+    python benchmarks/bench_cai_export.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import cupy as cp  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+import jax_overlay  # noqa: E402
+
+REPEATS, ROUNDS = 500, 7
+
+
+def median_us(fn, make_arg):
+    rounds = []
+    for _ in range(ROUNDS):
+        args = [make_arg() for _ in range(REPEATS)]
+        keep = []
+        t0 = time.perf_counter_ns()
+        for a in args:
+            keep.append(fn(a))
+        rounds.append((time.perf_counter_ns() - t0) / REPEATS / 1e3)
+    return round(statistics.median(rounds), 2)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    args = p.parse_args()
+    x = jnp.arange(1 << 20, dtype=jnp.float32)
+    x.block_until_ready()
+    res = {}
+    prop = lambda a: a.__cuda_array_interface__  # noqa: E731
+    res["stock property (ready)"] = median_us(prop, lambda: x)
+    res["stock cupy.asarray(jax) (ready)"] = median_us(cp.asarray, lambda: x)
+    jax_overlay.install()
+    res["jax_overlay property (ready)"] = median_us(prop, lambda: x)
+    res["jax_overlay cupy.asarray(jax) (ready)"] = median_us(cp.asarray, lambda: x)
+
+    @jax.jit
+    def slow(v):
+        return lax.fori_loop(0, 2000, lambda i, v: v * 1.0000001, v)
+
+    ys = []
+    for _ in range(ROUNDS):
+        ys.extend(slow(x) for _ in range(50))
+    t0 = time.perf_counter_ns()
+    pending = 0
+    for y in ys:
+        pending += not y.is_ready()
+        y.__cuda_array_interface__
+    res["jax_overlay property (computation in flight)"] = round(
+        (time.perf_counter_ns() - t0) / len(ys) / 1e3, 2)
+    res["in-flight exports that found the array pending"] = f"{pending}/{len(ys)}"
+    jax_overlay.uninstall()
+    meta = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+            "jax": jax.__version__, "cupy": cp.__version__,
+            "statistic": f"median of {ROUNDS} round means of {REPEATS} calls, us"}
+    for k, v in res.items():
+        print(f"{k:<50} {v}")
+    print(json.dumps(meta))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results_us": res}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

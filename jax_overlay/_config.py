@@ -1,0 +1,40 @@
+"""Switches, read from the environment at import and settable at run time:
+
+    jax_overlay.config.cai_sync = False       # or JAX_OVERLAY_CAI_SYNC=0
+    jax_overlay.config.cai_read_only = True   # or JAX_OVERLAY_CAI_READ_ONLY=1
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: use 1 or 0")
+
+
+class Config:
+    """cai_sync: the CAI export orders its ``stream`` after the array's
+    pending computation (default).  Off, it exports ``stream: None`` and the
+    consumer must synchronise itself (e.g. ``x.block_until_ready()``), as
+    with ``CUPY_CUDA_ARRAY_INTERFACE_SYNC`` / ``NUMBA_CUDA_ARRAY_INTERFACE_SYNC``.
+
+    cai_read_only: the ``read_only`` flag of the CAI export.  Off by default,
+    as CuPy, Numba and PyTorch export: PyTorch refuses read-only CAI, and
+    CuPy and Numba ignore the flag anyway.  JAX arrays are immutable all the
+    same: writing through an exported pointer is undefined behaviour in JAX.
+    Turn it on for consumers that honour the flag."""
+
+    def __init__(self):
+        self.cai_sync = _flag("JAX_OVERLAY_CAI_SYNC", True)
+        self.cai_read_only = _flag("JAX_OVERLAY_CAI_READ_ONLY", False)
+
+
+config = Config()

@@ -1,0 +1,130 @@
+"""The one export path: a JAX array's buffer described for foreign
+consumers, ordered after its pending computation on the GPU without the host
+waiting."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _runtime as rt
+from ._config import config
+
+# Tests set this to describe CPU arrays too (host memory), so CI can check
+# the dict builder on real JAX buffers.
+_allow_host = False
+
+_LEGACY_STREAM = 1
+_layout_strides: dict[tuple, tuple | None] = {}
+
+
+def _strides(x, itemsize):
+    """Byte strides for the array's layout, or None when it is row-major."""
+    layout = getattr(x, "_pjrt_layout", None)
+    if layout is None:  # older jaxlib: go through the public Format
+        key = (tuple(x.format.layout.major_to_minor), x.shape, itemsize)
+    else:
+        key = (layout, x.shape, itemsize)
+    try:
+        return _layout_strides[key]
+    except KeyError:
+        pass
+    if layout is None:
+        minor_to_major = list(reversed(key[0]))
+    else:
+        text = str(layout).strip("{}").split(":")[0]
+        minor_to_major = [int(d) for d in text.split(",")] if text else []
+    strides = [0] * len(x.shape)
+    acc = itemsize
+    for d in minor_to_major:
+        strides[d] = acc
+        acc *= x.shape[d]
+    row_major = minor_to_major == list(reversed(range(len(x.shape))))
+    out = None if row_major else tuple(strides)
+    _layout_strides[key] = out
+    return out
+
+
+# NumPy's own types only: ml_dtypes' float8 types also call themselves 'f'.
+_CAI_DTYPES = frozenset(np.dtype(t) for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+    np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
+    np.complex128))
+
+
+def _typestr(dtype):
+    if dtype not in _CAI_DTYPES:
+        raise AttributeError(
+            f"a {dtype} array has no __cuda_array_interface__: the CUDA Array "
+            "Interface has no type string for it; use DLPack (__dlpack__ / "
+            "jax.dlpack) instead")
+    return dtype.str
+
+
+def _check(x):
+    if not isinstance(x, rt.ArrayImpl):
+        raise TypeError(f"expected a jax.Array, got {type(x).__module__}.{type(x).__qualname__}")
+    if x.is_deleted():
+        raise BufferError(
+            "the JAX array was deleted or donated: its buffer is gone, so there "
+            "is nothing to export")
+    devices = x.sharding.device_set
+    if len(devices) != 1:
+        raise AttributeError(
+            f"__cuda_array_interface__ describes one buffer, but this array is "
+            f"sharded over {len(devices)} devices; export each shard instead: "
+            "x.addressable_shards[i].data.__cuda_array_interface__")
+    device = next(iter(devices))
+    if device.platform != "gpu" and not (_allow_host and device.platform == "cpu"):
+        raise AttributeError(
+            f"__cuda_array_interface__ is only defined for arrays on a CUDA GPU; "
+            f"this one is on {device}")
+
+
+def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
+    """The CUDA Array Interface (version 3) of a single-device JAX array.
+
+    ``stream``: the consumer's stream (1 legacy, 2 per-thread, or a handle);
+    it is made to wait, on the GPU, for the array's pending computation and
+    is exported.  Default: if the array is ready, ``stream: None``; else the
+    legacy default stream is made to wait and exported as 1, so consumers on
+    the default stream (PyTorch's and CuPy's by default) are ordered even if
+    they ignore the key.  The host never waits.  ``config.cai_sync = False``
+    exports ``stream: None`` without ordering.
+
+    ``read_only``: the exported flag (default ``config.cai_read_only``).
+    Strides are given for any non-row-major layout JAX holds.
+    """
+    _check(x)
+    dtype = x.dtype
+    typestr = _typestr(dtype)
+    ptr = x.unsafe_buffer_pointer()
+    ro = config.cai_read_only if read_only is None else bool(read_only)
+    out_stream = None
+    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream <= 0):
+        raise ValueError(
+            f"stream={stream!r}: pass 1 (legacy), 2 (per-thread) or a CUDA "
+            "stream handle; 0 is ambiguous and not allowed")
+    if config.cai_sync and (stream is not None or not x.is_ready()):
+        out_stream = _LEGACY_STREAM if stream is None else stream
+        # Makes `out_stream` wait on the GPU for the array's definition
+        # events; the capsule (an external reference) is dropped at once:
+        # the array itself keeps the buffer alive for the consumer.
+        rt.order_stream_after(x, out_stream)
+    return {
+        "shape": x.shape,
+        "typestr": typestr,
+        "data": (ptr, ro),
+        "version": 3,
+        "strides": _strides(x, dtype.itemsize),
+        "stream": out_stream,
+        "descr": [("", typestr)],
+    }
+
+
+def _cai_property(self):
+    return cuda_array_interface(self)
+
+
+cai_property = property(
+    _cai_property,
+    doc="CUDA Array Interface v3 (jax_overlay): zero-copy, stream-ordered.")

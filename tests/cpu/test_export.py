@@ -1,0 +1,195 @@
+"""The CAI export's dict builder, switches and errors, on real JAX buffers
+(host memory stands in for the GPU where a test allows it)."""
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_overlay
+from jax_overlay import _config
+from jax_overlay import _exports
+from jax_overlay import _runtime as rt
+from jax_overlay import _testing as T
+
+
+@pytest.fixture
+def host(monkeypatch):
+    monkeypatch.setattr(_exports, "_allow_host", True)
+
+
+@pytest.fixture
+def orders(monkeypatch):
+    calls = []
+    monkeypatch.setattr(rt, "order_stream_after", lambda x, s: calls.append(s))
+    return calls
+
+
+@pytest.mark.parametrize("dtype,typestr", [
+    (np.bool_, "|b1"), (np.int8, "|i1"), (np.uint8, "|u1"), (np.int16, "<i2"),
+    (np.int32, "<i4"), (np.uint32, "<u4"), (np.float16, "<f2"),
+    (np.float32, "<f4"), (np.complex64, "<c8")])
+def test_dict_fields(host, dtype, typestr):
+    x = jnp.zeros((2, 3), dtype)
+    d = jax_overlay.cuda_array_interface(x)
+    assert d == {"shape": (2, 3), "typestr": typestr,
+                 "data": (x.unsafe_buffer_pointer(), False), "version": 3,
+                 "strides": None, "stream": None, "descr": [("", typestr)]}
+
+
+def test_x64_dtypes(host):
+    jax.config.update("jax_enable_x64", True)
+    try:
+        for dt, ts in [(np.int64, "<i8"), (np.float64, "<f8"), (np.complex128, "<c16")]:
+            assert jax_overlay.cuda_array_interface(jnp.zeros(2, dt))["typestr"] == ts
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, ml_dtypes.float8_e4m3fn,
+                                   ml_dtypes.float8_e5m2, jnp.int4])
+def test_inexpressible_dtypes(host, dtype):
+    x = jnp.zeros(4, dtype)
+    with pytest.raises(AttributeError, match="DLPack") as e:
+        jax_overlay.cuda_array_interface(x)
+    assert str(np.dtype(dtype)) in str(e.value)
+
+
+def test_non_row_major_layouts_give_strides(host):
+    base = T.aligned_empty((6, 4), np.float32).T  # an F-order (4, 6) view
+    base[...] = np.arange(24).reshape(4, 6)
+    x = T.import_host(T.HostCAI(base))  # keeps the column-major layout
+    assert x.unsafe_buffer_pointer() == base.ctypes.data
+    d = jax_overlay.cuda_array_interface(x)
+    assert d["strides"] == base.strides == (4, 16)
+    back = T.import_host(T.HostCAI(base))
+    np.testing.assert_array_equal(np.asarray(back), base)
+    three = T.aligned_empty((2, 3, 4), np.int16).transpose(2, 0, 1)
+    three[...] = np.arange(24).reshape(4, 2, 3)
+    y = T.import_host(T.HostCAI(three))
+    assert jax_overlay.cuda_array_interface(y)["strides"] == three.strides
+
+
+def test_round_trip_through_our_own_import(host):
+    x = jnp.arange(12.0).reshape(3, 4)
+
+    class Holder:
+        __cuda_array_interface__ = jax_overlay.cuda_array_interface(x)
+
+    y = T.import_host(Holder())
+    assert y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+def test_read_only_policy(host, monkeypatch):
+    x = jnp.zeros(3)
+    assert jax_overlay.cuda_array_interface(x)["data"][1] is False
+    assert jax_overlay.cuda_array_interface(x, read_only=True)["data"][1] is True
+    monkeypatch.setattr(_config.config, "cai_read_only", True)
+    assert jax_overlay.cuda_array_interface(x)["data"][1] is True
+    assert jax_overlay.cuda_array_interface(x, read_only=False)["data"][1] is False
+
+
+def test_environment_switches(monkeypatch):
+    monkeypatch.setenv("JAX_OVERLAY_CAI_READ_ONLY", "1")
+    monkeypatch.setenv("JAX_OVERLAY_CAI_SYNC", "0")
+    c = _config.Config()
+    assert c.cai_read_only is True and c.cai_sync is False
+    monkeypatch.setenv("JAX_OVERLAY_CAI_SYNC", "maybe")
+    with pytest.raises(ValueError, match="JAX_OVERLAY_CAI_SYNC='maybe'"):
+        _config.Config()
+
+
+def test_explicit_stream_is_ordered_and_exported(host, orders):
+    x = jnp.zeros(3)
+    d = jax_overlay.cuda_array_interface(x, stream=7)
+    assert d["stream"] == 7 and orders == [7]
+
+
+def test_ready_array_needs_no_stream(host, orders):
+    x = jnp.zeros(3)
+    x.block_until_ready()
+    assert jax_overlay.cuda_array_interface(x)["stream"] is None
+    assert orders == []
+
+
+def test_sync_switch_off_exports_no_stream(host, orders, monkeypatch):
+    monkeypatch.setattr(_config.config, "cai_sync", False)
+    d = jax_overlay.cuda_array_interface(jnp.zeros(3), stream=7)
+    assert d["stream"] is None and orders == []
+
+
+@pytest.mark.parametrize("stream", [0, -1, 1.0, True, "1"])
+def test_bad_stream_argument(host, stream):
+    with pytest.raises(ValueError, match="stream="):
+        jax_overlay.cuda_array_interface(jnp.zeros(3), stream=stream)
+
+
+def test_deleted_array(host):
+    x = jnp.zeros(3)
+    x.delete()
+    with pytest.raises(BufferError, match="deleted or donated"):
+        jax_overlay.cuda_array_interface(x)
+
+
+def test_donated_array(host):
+    x = jnp.zeros(3)
+    jax.jit(lambda v: v + 1, donate_argnums=0)(x)
+    if not x.is_deleted():
+        pytest.skip("this backend ignores donation")
+    with pytest.raises(BufferError, match="deleted or donated"):
+        jax_overlay.cuda_array_interface(x)
+
+
+def test_cpu_arrays_have_no_cai_even_installed():
+    x = jnp.zeros(3)
+    assert not hasattr(x, "__cuda_array_interface__")
+    jax_overlay.install()
+    try:
+        assert not hasattr(x, "__cuda_array_interface__")
+        with pytest.raises(AttributeError, match="only defined for arrays on a CUDA GPU"):
+            x.__cuda_array_interface__
+    finally:
+        jax_overlay.uninstall()
+
+
+def test_not_a_jax_array():
+    with pytest.raises(TypeError, match="expected a jax.Array"):
+        jax_overlay.cuda_array_interface(np.zeros(3))
+
+
+def test_install_replaces_and_uninstall_restores_the_property():
+    orig = rt.ArrayImpl.__dict__["__cuda_array_interface__"]
+    jax_overlay.install()
+    assert rt.ArrayImpl.__dict__["__cuda_array_interface__"] is _exports.cai_property
+    jax_overlay.uninstall()
+    assert rt.ArrayImpl.__dict__["__cuda_array_interface__"] is orig
+
+
+def test_sharded_arrays_point_to_shards():
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import jax_overlay
+        from jax_overlay import _exports
+        _exports._allow_host = True
+        mesh = jax.make_mesh((2,), ("x",))
+        x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+        try:
+            jax_overlay.cuda_array_interface(x)
+        except AttributeError as e:
+            assert "addressable_shards" in str(e) and "2 devices" in str(e), e
+            d = jax_overlay.cuda_array_interface(x.addressable_shards[1].data)
+            assert d["shape"] == (4,)
+            print("ok")
+    """)
+    env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
