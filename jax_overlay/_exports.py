@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _runtime as rt
+from . import _xla_ext as ext
 from ._config import config
 
 # Tests set this to describe CPU arrays too (host memory), so CI can check
@@ -14,33 +15,38 @@ from ._config import config
 _allow_host = False
 
 _LEGACY_STREAM = 1
+_NOT_CUDA = 0
 _layout_strides: dict[tuple, tuple | None] = {}
+_row_major_layouts: dict[int, object] = {}
 
 
 def _strides(x, itemsize):
-    """Byte strides for the array's layout, or None when it is row-major."""
+    """Byte strides for the array's layout, or None when it is row-major.
+    The common case is one comparison with a cached row-major layout."""
     layout = getattr(x, "_pjrt_layout", None)
+    ndim = len(x.shape)
+    if layout is not None:
+        known = _row_major_layouts.get(ndim)
+        if known is not None and known == layout:
+            return None
     if layout is None:  # older jaxlib: go through the public Format
-        key = (tuple(x.format.layout.major_to_minor), x.shape, itemsize)
-    else:
-        key = (layout, x.shape, itemsize)
-    try:
-        return _layout_strides[key]
-    except KeyError:
-        pass
-    if layout is None:
-        minor_to_major = list(reversed(key[0]))
+        minor_to_major = list(reversed(x.format.layout.major_to_minor))
     else:
         text = str(layout).strip("{}").split(":")[0]
         minor_to_major = [int(d) for d in text.split(",")] if text else []
-    strides = [0] * len(x.shape)
-    acc = itemsize
-    for d in minor_to_major:
-        strides[d] = acc
-        acc *= x.shape[d]
-    row_major = minor_to_major == list(reversed(range(len(x.shape))))
-    out = None if row_major else tuple(strides)
-    _layout_strides[key] = out
+    if minor_to_major == list(reversed(range(ndim))):
+        if layout is not None:
+            _row_major_layouts[ndim] = layout
+        return None
+    key = (tuple(minor_to_major), x.shape, itemsize)
+    out = _layout_strides.get(key)
+    if out is None:
+        strides = [0] * ndim
+        acc = itemsize
+        for d in minor_to_major:
+            strides[d] = acc
+            acc *= x.shape[d]
+        out = _layout_strides[key] = tuple(strides)
     return out
 
 
@@ -61,6 +67,7 @@ def _typestr(dtype):
 
 
 def _check(x):
+    """The precise error for an array the fast path turned away."""
     if not isinstance(x, rt.ArrayImpl):
         raise TypeError(f"expected a jax.Array, got {type(x).__module__}.{type(x).__qualname__}")
     if x.is_deleted():
@@ -80,6 +87,22 @@ def _check(x):
             f"this one is on {device}")
 
 
+def _is_cuda_memory(ptr):
+    """The platform check, by asking the driver about the pointer (cheaper
+    than walking the array's sharding); no driver means no GPU arrays."""
+    global _no_driver
+    if _no_driver:
+        return False
+    try:
+        return ext.memory_kind(ptr) != _NOT_CUDA
+    except BufferError:
+        _no_driver = not ext.driver_loaded()  # remembered: the driver never appears later
+        return False
+
+
+_no_driver = False
+
+
 def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
     """The CUDA Array Interface (version 3) of a single-device JAX array.
 
@@ -94,10 +117,18 @@ def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
     ``read_only``: the exported flag (default ``config.cai_read_only``).
     Strides are given for any non-row-major layout JAX holds.
     """
-    _check(x)
+    if type(x) is not rt.ArrayImpl:
+        _check(x)
+    try:
+        # Also the sharding and deletion check: it raises for both.
+        ptr = x.unsafe_buffer_pointer()
+    except Exception:
+        _check(x)
+        raise
+    if not _is_cuda_memory(ptr):
+        _check(x)  # a CPU array: AttributeError, so hasattr() is False
     dtype = x.dtype
     typestr = _typestr(dtype)
-    ptr = x.unsafe_buffer_pointer()
     ro = config.cai_read_only if read_only is None else bool(read_only)
     out_stream = None
     if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream <= 0):

@@ -229,6 +229,18 @@ PYBIND11_MODULE(_xla_ext, m) {
       "pointer; kind is device, pinned_host, managed or not_cuda.");
 
   m.def(
+      "memory_kind",
+      [](uintptr_t ptr) {
+        cuda::PointerInfo info;
+        Error err;
+        if (!cuda::QueryPointer(ptr, &info, &err)) Raise(err);
+        return static_cast<int>(info.kind);
+      },
+      py::arg("ptr"),
+      "0 not CUDA memory, 1 device, 2 pinned host, 3 managed (the export's "
+      "cheap platform check).");
+
+  m.def(
       "order_after",
       [](int ordinal, uintptr_t producer, uintptr_t consumer) {
         bool waited = false;

@@ -18,6 +18,13 @@ from jax_overlay import _runtime as rt
 from jax_overlay import _testing as T
 
 
+CPU = jax.devices("cpu")[0]
+
+
+def on_cpu(x):
+    return jax.device_put(x, CPU)
+
+
 @pytest.fixture
 def host(monkeypatch):
     monkeypatch.setattr(_exports, "_allow_host", True)
@@ -76,7 +83,7 @@ def test_non_row_major_layouts_give_strides(host):
 
 
 def test_round_trip_through_our_own_import(host):
-    x = jnp.arange(12.0).reshape(3, 4)
+    x = on_cpu(jnp.arange(12.0).reshape(3, 4))
 
     class Holder:
         __cuda_array_interface__ = jax_overlay.cuda_array_interface(x)
@@ -147,7 +154,7 @@ def test_donated_array(host):
 
 
 def test_cpu_arrays_have_no_cai_even_installed():
-    x = jnp.zeros(3)
+    x = on_cpu(jnp.zeros(3))
     assert not hasattr(x, "__cuda_array_interface__")
     jax_overlay.install()
     try:
