@@ -66,6 +66,21 @@ def main():
         (time.perf_counter_ns() - t0) / len(ys) / 1e3, 2)
     res["in-flight exports that found the array pending"] = f"{pending}/{len(ys)}"
     jax_overlay.uninstall()
+    from jax_overlay import _exports
+    from jax_overlay import _xla_ext as ext
+    ptr = x.unsafe_buffer_pointer()
+    floors = {
+        "floor: x.unsafe_buffer_pointer()": lambda a: a.unsafe_buffer_pointer(),
+        "floor: memory_kind(ptr)": lambda a: ext.memory_kind(ptr),
+        "floor: x.is_ready()": lambda a: a.is_ready(),
+        "floor: x.dtype": lambda a: a.dtype,
+        "floor: x.shape": lambda a: a.shape,
+        "floor: layout -> strides": lambda a: _exports._strides(a, 4),
+        "floor: x._pjrt_layout": lambda a: getattr(a, "_pjrt_layout", None),
+    }
+    for name, fn in floors.items():
+        res[name] = median_us(fn, lambda: x)
+    res["has _pjrt_layout"] = hasattr(x, "_pjrt_layout")
     meta = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
             "jax": jax.__version__, "cupy": cp.__version__,
             "statistic": f"median of {ROUNDS} round means of {REPEATS} calls, us"}

@@ -42,7 +42,8 @@ def orders(monkeypatch):
     (np.int32, "<i4"), (np.uint32, "<u4"), (np.float16, "<f2"),
     (np.float32, "<f4"), (np.complex64, "<c8")])
 def test_dict_fields(host, dtype, typestr):
-    x = jnp.zeros((2, 3), dtype)
+    x = on_cpu(jnp.zeros((2, 3), dtype))
+    x.block_until_ready()  # a ready array needs no stream
     d = jax_overlay.cuda_array_interface(x)
     assert d == {"shape": (2, 3), "typestr": typestr,
                  "data": (x.unsafe_buffer_pointer(), False), "version": 3,
