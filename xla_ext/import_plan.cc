@@ -8,6 +8,22 @@
 
 namespace jxo {
 
+PyObject* ViewCapsule(const CaiSpec& v, PyObject* owner, int device_type,
+                      int device_id, bool versioned, uint64_t flags) {
+  TensorDesc d;
+  d.data = reinterpret_cast<void*>(v.data);
+  d.device = {device_type, device_id};
+  d.dtype = v.dtype;
+  d.ndim = static_cast<int32_t>(v.shape.size());
+  d.shape = v.shape.data();
+  // Row-major goes without strides: JAX then uses its default layout.
+  d.strides = v.layout.kind == LayoutKind::kRowMajor || v.strides.empty()
+                  ? nullptr
+                  : v.strides.data();
+  d.flags = flags | (v.read_only ? dl::kFlagReadOnly : 0);
+  return NewOwnedCapsule(d, owner, versioned);
+}
+
 bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
                    Error* err) {
   CaiSpec& v = out->view;
@@ -48,16 +64,7 @@ bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
   }
 
   if (v.layout.kind != LayoutKind::kStrided && v.data % out->alignment == 0) {
-    TensorDesc d;
-    d.data = reinterpret_cast<void*>(v.data);
-    d.device = {out->dl_device_type, out->ordinal};
-    d.dtype = v.dtype;
-    d.ndim = static_cast<int32_t>(v.shape.size());
-    d.shape = v.shape.data();
-    // Row-major goes without strides: JAX then uses its default layout.
-    d.strides = v.layout.kind == LayoutKind::kRowMajor ? nullptr
-                                                        : v.strides.data();
-    out->capsule = NewOwnedCapsule(d, owner, /*versioned=*/false);
+    out->capsule = ViewCapsule(v, owner, out->dl_device_type, out->ordinal);
     if (!out->capsule) {
       PyErr_Clear();
       return Fail(err, ErrorKind::kBuffer, "could not allocate a capsule");

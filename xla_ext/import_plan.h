@@ -28,6 +28,12 @@ struct ImportPlan {
   bool producer_busy = false;  // the v3 stream still has work enqueued
 };
 
+// A capsule viewing the array `v` describes, holding `owner` alive: the one
+// place a CAI view becomes a DLPack tensor.  nullptr + Python error on failure.
+PyObject* ViewCapsule(const CaiSpec& v, PyObject* owner, int device_type,
+                      int device_id, bool versioned = false,
+                      uint64_t flags = 0);
+
 // `host` treats the pointer as host memory without asking the driver (the
 // test entry that lets CI run this same path on NumPy buffers).
 bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,

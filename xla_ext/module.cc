@@ -70,23 +70,6 @@ py::object Steal(PyObject* o) {
   return py::reinterpret_steal<py::object>(o);
 }
 
-py::object CapsuleFromCai(const CaiSpec& s, py::handle owner, int device_type,
-                          int device_id, bool versioned, uint64_t flags) {
-  TensorDesc d;
-  d.data = reinterpret_cast<void*>(s.data);
-  d.device = {device_type, device_id};
-  d.dtype = s.dtype;
-  d.ndim = static_cast<int32_t>(s.shape.size());
-  d.shape = s.shape.data();
-  // Row-major tensors go without strides: that is the layout consumers
-  // handle fastest and JAX gives its default layout.
-  d.strides = s.layout.kind == LayoutKind::kRowMajor || s.strides.empty()
-                  ? nullptr
-                  : s.strides.data();
-  d.flags = flags | (s.read_only ? dl::kFlagReadOnly : 0);
-  return Steal(NewOwnedCapsule(d, owner.ptr(), versioned));
-}
-
 py::object RawCapsule(py::handle owner, uintptr_t data,
                       const std::vector<int64_t>& shape,
                       std::optional<std::vector<int64_t>> strides,
@@ -175,8 +158,8 @@ PYBIND11_MODULE(_xla_ext, m) {
       "capsule_from_cai",
       [](const CaiSpec& s, py::handle owner, int device_type, int device_id,
          bool versioned, uint64_t flags) {
-        return CapsuleFromCai(s, owner, device_type, device_id, versioned,
-                              flags);
+        return Steal(ViewCapsule(s, owner.ptr(), device_type, device_id,
+                                 versioned, flags));
       },
       py::arg("view"), py::arg("owner"), py::arg("device_type"),
       py::arg("device_id"), py::arg("versioned") = false,
