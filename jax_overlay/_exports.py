@@ -87,20 +87,37 @@ def _check(x):
             f"this one is on {device}")
 
 
-def _is_cuda_memory(ptr):
-    """The platform check, by asking the driver about the pointer (cheaper
-    than walking the array's sharding); no driver means no GPU arrays."""
+def _cuda_ordinal(ptr):
+    """The CUDA device owning `ptr`, or None for host memory: the platform
+    check, by asking the driver about the pointer (cheaper than walking the
+    array's sharding); no driver means no GPU arrays."""
     global _no_driver
     if _no_driver:
-        return False
+        return None
     try:
-        return ext.memory_kind(ptr) != _NOT_CUDA
+        kind, ordinal = ext.pointer_info(ptr)[:2]
     except BufferError:
         _no_driver = not ext.driver_loaded()  # remembered: the driver never appears later
-        return False
+        return None
+    return None if kind == "not_cuda" else ordinal
 
 
 _no_driver = False
+
+
+def _order(x, ordinal, stream):
+    """Makes `stream` wait, on the GPU, for the array's pending computation.
+
+    JAX computations write their outputs on XLA's compute stream, so an
+    event there orders `stream` without the host waiting.  If that stream is
+    idle while the array is still pending, the pending work is elsewhere (a
+    host-to-device transfer): then jaxlib's DLPack export orders it, which on
+    jaxlib 0.11.2 may wait on the host until the array is defined."""
+    if ordinal is not None:
+        compute = rt.compute_stream(rt.gpu_device(ordinal))
+        if ext.order_after(ordinal, compute, stream) or x.is_ready():
+            return
+    rt.order_stream_after(x, stream)
 
 
 def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
@@ -125,7 +142,8 @@ def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
     except Exception:
         _check(x)
         raise
-    if not _is_cuda_memory(ptr):
+    ordinal = _cuda_ordinal(ptr)
+    if ordinal is None:
         _check(x)  # a CPU array: AttributeError, so hasattr() is False
     dtype = x.dtype
     typestr = _typestr(dtype)
@@ -137,10 +155,7 @@ def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
             "stream handle; 0 is ambiguous and not allowed")
     if config.cai_sync and (stream is not None or not x.is_ready()):
         out_stream = _LEGACY_STREAM if stream is None else stream
-        # Makes `out_stream` wait on the GPU for the array's definition
-        # events; the capsule (an external reference) is dropped at once:
-        # the array itself keeps the buffer alive for the consumer.
-        rt.order_stream_after(x, out_stream)
+        _order(x, ordinal, out_stream)
     return {
         "shape": x.shape,
         "typestr": typestr,

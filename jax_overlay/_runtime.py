@@ -84,10 +84,10 @@ def compute_stream(device) -> int:
 
 
 def order_stream_after(x, stream: int) -> None:
-    """Makes `stream` wait, on the GPU, for the definition of `x` (jaxlib's
-    DLPack export does exactly this with an event; the host does not wait).
-    The capsule it returns holds an external reference, dropped here: the
-    array keeps its buffer."""
+    """Makes `stream` wait for the definition of `x` through jaxlib's DLPack
+    export (an event wait; on jaxlib 0.11.2 the host may first wait until
+    the array is defined).  The capsule it returns holds an external
+    reference, dropped here: the array keeps its buffer."""
     _jax.buffer_to_dlpack_managed_tensor(x, stream=stream)
 
 
