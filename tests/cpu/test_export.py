@@ -114,13 +114,13 @@ def test_environment_switches(monkeypatch):
 
 
 def test_explicit_stream_is_ordered_and_exported(host, orders):
-    x = jnp.zeros(3)
+    x = on_cpu(jnp.zeros(3))  # host memory takes jaxlib's ordering path
     d = jax_overlay.cuda_array_interface(x, stream=7)
     assert d["stream"] == 7 and orders == [7]
 
 
 def test_ready_array_needs_no_stream(host, orders):
-    x = jnp.zeros(3)
+    x = on_cpu(jnp.zeros(3))
     x.block_until_ready()
     assert jax_overlay.cuda_array_interface(x)["stream"] is None
     assert orders == []
@@ -128,7 +128,7 @@ def test_ready_array_needs_no_stream(host, orders):
 
 def test_sync_switch_off_exports_no_stream(host, orders, monkeypatch):
     monkeypatch.setattr(_config.config, "cai_sync", False)
-    d = jax_overlay.cuda_array_interface(jnp.zeros(3), stream=7)
+    d = jax_overlay.cuda_array_interface(on_cpu(jnp.zeros(3)), stream=7)
     assert d["stream"] is None and orders == []
 
 

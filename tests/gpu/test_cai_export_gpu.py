@@ -76,9 +76,9 @@ def test_export_returns_while_computation_runs():
     t0 = time.perf_counter()
     d = x.__cuda_array_interface__
     dt = time.perf_counter() - t0
-    assert not x.is_ready(), "the computation ended before the check: too short"
-    assert d["stream"] == 1 and d["version"] == 3
-    assert dt < 0.01, f"the export took {dt * 1e3:.2f} ms: it waited"
+    # Still computing after the export returned: the export did not wait.
+    assert not x.is_ready(), f"the array was ready {dt * 1e3:.2f} ms later: the export waited"
+    assert d["stream"] == 1 and d["version"] == 3, (d, f"{dt * 1e3:.2f} ms")
     c = cp.asarray(x)
     assert float(c.min()) == 3.0 and float(c.max()) == 3.0
 

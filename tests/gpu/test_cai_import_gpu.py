@@ -150,9 +150,10 @@ def test_import_does_not_block_host(kind):
     t0 = time.perf_counter()
     y = inc(x)  # JAX's own use must not wait either
     dt_use = time.perf_counter() - t0
-    assert not stream.done, "the producer finished before we could check"
-    assert dt < 0.1, f"import took {dt * 1e3:.1f} ms: it waited on the host"
-    assert dt_use < 0.1, f"using the import took {dt_use * 1e3:.1f} ms: it waited on the host"
+    # The producer still runs: neither call can have waited for it.
+    assert not stream.done, (
+        f"the producer ended within {(dt + dt_use) * 1e3:.1f} ms: the import "
+        "or its use waited on the host")
     assert float(jnp.min(y)) == 8.0
 
 
@@ -162,19 +163,16 @@ def test_many_imports_while_producer_busy_never_block(kind):
     arrays = [cp.zeros(256, cp.float32) for _ in range(8)]
     cp.cuda.Device().synchronize()
     spin_fill(cp.empty(1, cp.float32), 0.0, ms=1500.0, stream=stream)
-    kept, worst = [], 0.0
+    kept = []
     t_all = time.perf_counter()
     for i in range(2000):
-        t0 = time.perf_counter()
         kept.append(imp(WithStream(arrays[i % 8], handle)))
-        worst = max(worst, time.perf_counter() - t0)
         if i % 100 == 99:
             del kept[:50]  # drop some while still in flight
     total = time.perf_counter() - t_all
     still_busy = not stream.done
     stream.synchronize()
     assert still_busy, f"the producer ended within {total * 1e3:.0f} ms: an import waited for it"
-    assert worst < 0.05, f"one import took {worst * 1e3:.1f} ms"
 
 
 def test_cupy_exported_stream_is_honoured():
