@@ -57,6 +57,24 @@ def main():
     out["producer still busy after these"] = not s.done
     s.synchronize()
 
+    # The route jax_overlay does not take: PJRT's external-ready stream made
+    # to wait for the producer, handed to jaxlib's import (what stock
+    # jax.dlpack.from_dlpack does).  On jaxlib 0.11.2 the first jit use of
+    # such an import waited ~480 ms of a 500 ms producer kernel.
+    from jax_overlay import _runtime as rt
+    from jax_overlay import _xla_ext as ext
+    dev = jax.devices("cuda")[0]
+    ready = int(dev.get_stream_for_external_ready_events())
+    view = ext.parse_cai(a.__cuda_array_interface__)
+    spin_fill(cp.empty(1, cp.float32), 0.0, ms=500.0, stream=s)
+    ext.order_after(0, s.ptr, ready)
+    x = rt.capsule_to_array(ext.capsule_from_cai(view, a, 2, 0), dev, ready, None, 2)
+    t0 = time.perf_counter()
+    y = f(x)
+    out["external-ready route: jit dispatch on it while busy, ms"] = ms(t0)
+    s.synchronize()
+    del x, y
+
     spin_fill(cp.empty(1, cp.float32), 0.0, ms=3000.0, stream=s)
     kept, first_slow = [], None
     t_all = time.perf_counter()

@@ -67,7 +67,13 @@ def compute_stream(device) -> int:
     s = _compute_streams.get(device)
     if s is None:
         import numpy as np
-        from jax.experimental.buffer_callback import buffer_callback
+        try:
+            from jax.experimental.buffer_callback import buffer_callback
+        except ImportError:
+            raise BufferError(
+                f"this jax ({jax.__version__}) has no jax.experimental.buffer_callback, "
+                "which jax_overlay needs to order imports after a busy producer "
+                "stream; upgrade jax, or pass arrays whose stream is idle") from None
 
         seen = []
 
