@@ -60,9 +60,9 @@ def compute_stream(device) -> int:
     import's own definition event is then recorded behind that wait, so every
     JAX consumer (computations, transfers) sees the data only after the
     producer's work, and PJRT never waits on the host.  (PJRT's
-    external-ready streams are the documented alternative, but a buffer
-    defined on one blocks the host at its first use until the producer is
-    done: measured on jaxlib 0.11.2.)  The price is that later JAX work on
+    external-ready streams are the documented alternative, but on jaxlib
+    0.11.2 the 57th import pending behind one busy producer blocked the host
+    until the producer was done.)  The price is that later JAX work on
     this device also waits, on the GPU, for the producer's pending work."""
     s = _compute_streams.get(device)
     if s is None:
