@@ -65,31 +65,44 @@ def import_cai(obj, cai=None, *, copy=None, host=None):
     if cap is not None:
         return rt.capsule_to_array(cap, device, None, None, dl_type), False
 
+    return copy_import(obj, view.data, view.shape, view.strides, view.typestr,
+                       view.itemsize, view.low, view.span, view.layout, alignment,
+                       dl_type, ordinal, device, range_start, copy), True
+
+
+def copy_import(owner, data, shape, strides, typestr, itemsize, low, span,
+                layout, alignment, dl_type, ordinal, device, range_start, copy):
+    """One copy on the same device of an array no view can hold (strided, or
+    a misaligned pointer), for every import path: the producer's memory is
+    viewed as one zero-copy envelope that holds `owner` alive, and one XLA
+    gather writes the compact result.  BufferError when copy=False."""
     if copy is False:
-        why = ("its strides are not a compact layout" if view.layout == "strided"
-               else f"its pointer {view.data:#x} is not {alignment}-byte aligned")
+        why = ("its strides are not a compact layout" if layout == "strided"
+               else f"its pointer {data:#x} is not {alignment}-byte aligned")
         raise BufferError(
             f"cannot import the array without a copy: {why} "
-            f"(shape {view.shape}, strides {view.strides} elements); pass "
+            f"(shape {shape}, strides {strides} elements); pass "
             "copy=None or copy=True for one copy on the same device")
+    if typestr is None:
+        raise BufferError(
+            "a strided or misaligned array of this dtype cannot be copied on "
+            "import; make it compact on the producer's side first")
     base, count, unit, offset = _strided.plan(
-        view.data, view.low, view.span, view.itemsize, range_start,
-        _strided.GPU_ALIGNMENT)
-    cap = ext.raw_capsule(obj, base, [count], None,
-                          view.typestr if unit == view.itemsize else "|u1",
-                          dl_type, ordinal)
+        data, low, span, itemsize, range_start, _strided.GPU_ALIGNMENT)
+    cap = ext.raw_capsule(owner, base, [count], None,
+                          typestr if unit == itemsize else "|u1", dl_type, ordinal)
     envelope = rt.capsule_to_array(cap, device, None, None, dl_type)
     pinned = dl_type == _KDLCUDAHOST
     if pinned:
         # XLA computes on device memory: move the envelope once, gather there,
         # and put the compact result back where the producer kept it.
         envelope = jax.device_put(envelope, rt.memory_sharding(device, "device"))
-    strides = view.strides if view.strides is not None else _row_major(view.shape)
-    out = _strided.gather(envelope, view.shape, strides, offset,
-                          view.typestr, unit)
+    out = _strided.gather(envelope, shape,
+                          strides if strides is not None else _row_major(shape),
+                          offset, typestr, unit)
     if pinned:
         out = jax.device_put(out, rt.memory_sharding(device, "pinned_host"))
-    return out, True
+    return out
 
 
 def _row_major(shape):

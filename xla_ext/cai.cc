@@ -134,6 +134,26 @@ bool TypestrToDtype(const std::string& ts, dl::DataType* dtype, int* itemsize,
   return true;
 }
 
+std::string DtypeToTypestr(const dl::DataType& dt) {
+  if (dt.lanes != 1 || dt.bits % 8 != 0) return "";
+  int size = dt.bits / 8;
+  char kind;
+  switch (dt.code) {
+    case dl::kBool: kind = 'b'; break;
+    case dl::kInt: kind = 'i'; break;
+    case dl::kUInt: kind = 'u'; break;
+    case dl::kFloat: kind = 'f'; break;
+    case dl::kComplex: kind = 'c'; break;
+    default: return "";
+  }
+  std::string ts = std::string(size == 1 ? "|" : "<") + kind + std::to_string(size);
+  dl::DataType check;
+  int itemsize;
+  Error ignored;
+  // Only what the parser accepts back: both directions agree on every code.
+  return TypestrToDtype(ts, &check, &itemsize, &ignored) ? ts : "";
+}
+
 bool ParseCai(PyObject* cai, CaiSpec* out, Error* err) {
   if (!PyDict_Check(cai)) {
     return Fail(err, ErrorKind::kType,

@@ -39,6 +39,10 @@ bool ParseCai(PyObject* cai, CaiSpec* out, Error* err);
 bool TypestrToDtype(const std::string& typestr, dl::DataType* dtype,
                     int* itemsize, Error* err);
 
+// The inverse: the NumPy type string of a DLPack dtype, or "" when the CAI
+// has none (bfloat16, float8, sub-byte, lanes > 1).
+std::string DtypeToTypestr(const dl::DataType& dtype);
+
 }  // namespace jxo
 
 #endif  // JAX_OVERLAY_XLA_EXT_CAI_H_

@@ -230,6 +230,41 @@ void CallDeleter(const TakenTensor& t) {
   }
 }
 
+bool InspectCapsule(PyObject* capsule, CapsuleView* out) {
+  if (!PyCapsule_CheckExact(capsule)) {
+    PyErr_Format(PyExc_TypeError, "expected a DLPack capsule, got %s",
+                 Py_TYPE(capsule)->tp_name);
+    return false;
+  }
+  if (PyCapsule_IsValid(capsule, dl::kCapsuleVersioned)) {
+    auto* m = static_cast<dl::ManagedTensorVersioned*>(
+        PyCapsule_GetPointer(capsule, dl::kCapsuleVersioned));
+    out->versioned = true;
+    out->major = m->version.major;
+    out->minor = m->version.minor;
+    out->flags = m->flags;
+    out->tensor = &m->dl_tensor;
+    return true;
+  }
+  if (PyCapsule_IsValid(capsule, dl::kCapsuleLegacy)) {
+    auto* m = static_cast<dl::ManagedTensor*>(
+        PyCapsule_GetPointer(capsule, dl::kCapsuleLegacy));
+    out->tensor = &m->dl_tensor;
+    return true;
+  }
+  const char* name = PyCapsule_GetName(capsule);
+  if (!name) PyErr_Clear();
+  PyErr_Format(PyExc_BufferError,
+               "the capsule is named '%s', not 'dltensor' or "
+               "'dltensor_versioned': %s",
+               name ? name : "",
+               name && std::strncmp(name, "used_", 5) == 0
+                   ? "it was already consumed (a DLPack capsule can be "
+                     "consumed once); ask the producer for a new one"
+                   : "it is not a DLPack capsule");
+  return false;
+}
+
 int64_t LiveTensors() { return g_live.load(); }
 int64_t ReleasedTensors() { return g_released.load(); }
 

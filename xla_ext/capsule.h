@@ -49,6 +49,17 @@ struct TakenTensor {
 TakenTensor TakeTensor(PyObject* capsule);  // nullptr + error on failure
 void CallDeleter(const TakenTensor& t);      // safe without the GIL
 
+// A look inside an unconsumed DLPack capsule from any producer, without
+// taking it.  False with a Python error set (BufferError) when the capsule is
+// not an unconsumed DLPack capsule.
+struct CapsuleView {
+  bool versioned = false;
+  uint32_t major = 0, minor = 0;  // versioned capsules only
+  uint64_t flags = 0;             // versioned capsules only
+  const dl::Tensor* tensor = nullptr;
+};
+bool InspectCapsule(PyObject* capsule, CapsuleView* out);
+
 // Counters for lifetime tests.
 int64_t LiveTensors();
 int64_t ReleasedTensors();
