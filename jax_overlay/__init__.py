@@ -6,10 +6,11 @@
 """
 
 from ._config import config
+from ._dlpack import from_dlpack
 from ._exports import cuda_array_interface
 from ._imports import from_cuda_array_interface
 from ._install import install, installed, uninstall
 
 __version__ = "0.1.0"
-__all__ = ["config", "cuda_array_interface", "from_cuda_array_interface", "install",
-           "installed", "uninstall"]
+__all__ = ["config", "cuda_array_interface", "from_cuda_array_interface", "from_dlpack",
+           "install", "installed", "uninstall"]

@@ -1,0 +1,146 @@
+"""DLPack import: the same capsule path as the CAI import, for any producer
+of ``__dlpack__`` (or a raw capsule), asking for DLPack 1.x."""
+
+from __future__ import annotations
+
+import datetime
+
+from . import _imports
+from . import _runtime as rt
+from . import _xla_ext as ext
+
+KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED = 1, 2, 3, 13
+_NAMES = {KDLCPU: "kDLCPU", KDLCUDA: "kDLCUDA", KDLCUDAHOST: "kDLCUDAHost",
+          KDLCUDAMANAGED: "kDLCUDAManaged"}
+MAX_VERSION = tuple(ext.DLPACK_VERSION)
+# types.CapsuleType exists from Python 3.13 on; datetime's C API is a capsule.
+CapsuleType = type(datetime.datetime_CAPI)
+
+
+def _check_type(dl_type):
+    if dl_type not in _NAMES:
+        raise BufferError(
+            f"DLPack device type {dl_type} is not one JAX can hold; jax_overlay "
+            "imports kDLCPU (1), kDLCUDA (2), kDLCUDAHost (3) and "
+            "kDLCUDAManaged (13): copy the array to one of those first")
+
+
+def _request(x, stream, copy):
+    """Asks for a versioned capsule; producers that predate the 2023 Array
+    API (no max_version/copy keywords) raise TypeError and get the legacy
+    call, as the protocol says."""
+    kwargs = {"stream": stream, "max_version": MAX_VERSION}
+    if copy is not None:
+        kwargs["copy"] = copy
+    try:
+        return x.__dlpack__(**kwargs), copy
+    except TypeError:
+        # Without the copy keyword the producer cannot copy for us: we do it.
+        return x.__dlpack__(stream=stream), None
+
+
+def _producer_stream(dl_type, dl_id):
+    """The consumer stream handed to the producer.  For GPU memory it is
+    XLA's compute stream: the producer makes it wait for its pending work,
+    and jaxlib's import then records the array's definition event behind
+    that wait, so the host never waits (see _runtime.compute_stream).
+    Pinned and CPU producers get None: PyTorch's pinned tensors go through
+    its CPU __dlpack__, which rejects a stream."""
+    if dl_type in (KDLCUDA, KDLCUDAMANAGED):
+        return rt.compute_stream(rt.gpu_device(dl_id))
+    return None
+
+
+def import_dlpack(x, *, copy=None):
+    """(array, copied) for a ``__dlpack__`` producer or a raw capsule."""
+    advertised = None
+    asked_copy = None
+    if isinstance(x, CapsuleType):
+        cap = x
+    else:
+        if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
+            raise TypeError(
+                f"{type(x).__module__}.{type(x).__qualname__} has no __dlpack__ "
+                "and __dlpack_device__; pass an array of a DLPack producer or a "
+                "DLPack capsule")
+        dl_type, dl_id = (int(v) for v in x.__dlpack_device__())
+        _check_type(dl_type)
+        advertised = (dl_type, dl_id)
+        cap, asked_copy = _request(x, _producer_stream(dl_type, dl_id), copy)
+    info = ext.capsule_info(cap)  # BufferError for a consumed capsule
+    copied = False
+    if info["versioned"]:
+        major, minor = info["version"]
+        if major > MAX_VERSION[0]:
+            # The protocol: a consumer that cannot read the tensor frees it.
+            ext.release_capsule(cap)
+            raise BufferError(
+                f"the producer returned a DLPack {major}.{minor} tensor; "
+                f"jax_overlay reads up to {MAX_VERSION[0]}.x")
+        copied = bool(info["flags"] & ext.FLAG_IS_COPIED)
+        # READ_ONLY needs nothing: JAX never writes to an imported buffer,
+        # short of donating it (see the README).
+        cap = ext.versioned_to_legacy(cap)
+    # Producers may advertise a type their capsule does not carry (PyTorch's
+    # pinned tensors say kDLCUDAHost and ship kDLCPU): the advertised one is
+    # where the memory is.
+    dl_type, dl_id = advertised or info["device"]
+    _check_type(dl_type)
+    if info["numel"] == 0:
+        ext.release_capsule(cap)
+        return _empty(info, dl_type, dl_id), copied
+    if dl_type == KDLCPU:
+        device, jax_type, alignment = rt.host_device(), KDLCPU, 1
+    elif dl_type == KDLCUDAHOST:
+        device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDAHOST, 1
+    else:  # device or managed memory: both are device memory to JAX
+        device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDA, 16
+    if info["layout"] != "strided" and info["data"] % alignment == 0:
+        # On the CPU jaxlib copies unaligned memory itself unless told not to.
+        jax_copy = False if copy is False and dl_type == KDLCPU else None
+        try:
+            arr = rt.capsule_to_array(cap, device, None, jax_copy, jax_type)
+        except Exception as e:  # jaxlib's runtime error type
+            if "aligned" in str(e):
+                raise BufferError(
+                    f"cannot import the array without a copy: {e}; pass "
+                    "copy=None or copy=True") from None
+            raise
+        return arr, copied or asked_copy is True
+    out = _imports.copy_import(
+        cap, info["data"], info["shape"], info["strides"], info["typestr"],
+        info["itemsize"], info["low"], info["span"], info["layout"], alignment,
+        jax_type, dl_id if dl_type != KDLCPU else 0, device, 0, copy)
+    return out, True
+
+
+def _empty(info, dl_type, dl_id):
+    import jax
+    import numpy as np
+    if info["typestr"] is None:
+        raise BufferError("a zero-size array of this dtype cannot be imported")
+    host = np.empty(info["shape"], np.dtype(info["typestr"]))
+    if dl_type == KDLCPU:
+        return jax.device_put(host, rt.host_device())
+    kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"
+    return jax.device_put(host, rt.memory_sharding(rt.gpu_device(dl_id), kind))
+
+
+def from_dlpack(x, /, *, device=None, copy=None):
+    """A :class:`jax.Array` from any DLPack producer (``__dlpack__``) or a raw
+    capsule, per the Array API's ``from_dlpack``.
+
+    * Asks for DLPack 1.x (``max_version=(1, 1)``) and falls back to the
+      legacy call for older producers; versioned capsules are converted
+      natively, so this works on jaxlib versions that read legacy capsules
+      only.  READ_ONLY tensors (read-only NumPy arrays) import zero-copy.
+    * Device types kDLCPU, kDLCUDA, kDLCUDAHost (a ``pinned_host`` array) and
+      kDLCUDAManaged (a device array); anything else raises BufferError.
+    * GPU producers order JAX's compute stream after their pending work: the
+      host never waits.
+    * Strided or misaligned tensors: one copy on the same device
+      (BufferError with ``copy=False``); ``device=`` and ``copy=True`` as in
+      :func:`from_cuda_array_interface`.
+    """
+    arr, copied = import_dlpack(x, copy=copy)
+    return _imports.finish(arr, copied, device=device, copy=copy)

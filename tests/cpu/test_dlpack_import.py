@@ -1,0 +1,200 @@
+"""DLPack import on the CPU: versioned and legacy capsules, flags, version
+negotiation, strides, lifetimes and errors."""
+
+import ctypes
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_overlay import _dlpack as D
+from jax_overlay import _testing as T
+from jax_overlay import _xla_ext as ext
+
+
+def aligned(shape, dtype=np.float32):
+    a = T.aligned_empty(shape, dtype)
+    a[...] = (np.arange(a.size) % 7).reshape(shape).astype(dtype)
+    return a
+
+
+@pytest.fixture(autouse=True)
+def balanced():
+    gc.collect()
+    live = ext.live_tensors()
+    yield
+    gc.collect()
+    assert ext.live_tensors() == live
+
+
+class Producer:
+    """Hands out our own capsules; records what the consumer asked for."""
+
+    def __init__(self, array, *, versioned=True, legacy_only=False, device=(1, 0)):
+        self.array, self.versioned, self.legacy_only = array, versioned, legacy_only
+        self.device, self.asked = device, []
+
+    def __dlpack__(self, *, stream=None, **kw):
+        if self.legacy_only and kw:
+            raise TypeError("__dlpack__() got an unexpected keyword argument 'max_version'")
+        self.asked.append(dict(stream=stream, **kw))
+        self.owner = weakref.ref(owner := T.HostCAI(self.array))
+        return T.host_capsule(owner, versioned=self.versioned)
+
+    def __dlpack_device__(self):
+        return self.device
+
+
+def test_read_only_numpy_is_a_view():
+    a = aligned((3, 4))
+    a.flags.writeable = False
+    x = D.from_dlpack(a)
+    assert x.unsafe_buffer_pointer() == a.ctypes.data
+    np.testing.assert_array_equal(np.asarray(x), a)
+
+
+def test_asks_for_version_1_and_stream_none_on_cpu():
+    p = Producer(aligned((4,)))
+    D.from_dlpack(p)
+    assert p.asked == [{"stream": None, "max_version": D.MAX_VERSION}]
+    D.from_dlpack(p, copy=True)
+    assert p.asked[-1]["copy"] is True
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_our_capsules_both_kinds(versioned):
+    a = aligned((2, 5))
+    x = D.from_dlpack(Producer(a, versioned=versioned))
+    assert x.unsafe_buffer_pointer() == a.ctypes.data
+    np.testing.assert_array_equal(np.asarray(x), a)
+
+
+def test_legacy_producer_fallback():
+    p = Producer(aligned((3,)), versioned=False, legacy_only=True)
+    x = D.from_dlpack(p)
+    np.testing.assert_array_equal(np.asarray(x), p.array)
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.uint16, np.int32,
+                                   np.float16, np.float32, np.complex64])
+def test_dtypes_from_numpy(dtype):
+    a = aligned((6,), dtype)
+    x = D.from_dlpack(a)
+    assert x.dtype == a.dtype
+    np.testing.assert_array_equal(np.asarray(x), a)
+
+
+def test_bfloat16_from_a_jax_producer():
+    src = jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), jax.devices("cpu")[0])
+    x = D.from_dlpack(src)
+    assert x.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(src))
+
+
+def test_x64_follows_jax():
+    a = aligned((4,), np.int64)
+    assert D.from_dlpack(a).dtype == jnp.int32
+    jax.config.update("jax_enable_x64", True)
+    try:
+        x = D.from_dlpack(a)
+        assert x.dtype == jnp.int64 and x.unsafe_buffer_pointer() == a.ctypes.data
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("view", [lambda a: a[::2], lambda a: a[::-1, 1:],
+                                  lambda a: a[:, ::-3], lambda a: a.T[1:]])
+def test_strided_numpy_is_one_copy(view):
+    v = view(aligned((6, 7)))
+    x = D.from_dlpack(v)
+    np.testing.assert_array_equal(np.asarray(x), v)
+    with pytest.raises(BufferError, match="without a copy"):
+        D.from_dlpack(view(aligned((6, 7))), copy=False)
+
+
+def test_zero_size_and_0d():
+    z = D.from_dlpack(np.empty((0, 3), np.float32))
+    assert z.shape == (0, 3)
+    s = D.from_dlpack(np.array(2.5, np.float32))
+    assert s.shape == () and float(s) == 2.5
+
+
+def test_raw_capsule_and_reuse():
+    a = aligned((5,))
+    cap = a.__dlpack__()
+    x = D.from_dlpack(cap)
+    np.testing.assert_array_equal(np.asarray(x), a)
+    with pytest.raises(BufferError, match="already consumed"):
+        D.from_dlpack(cap)
+
+
+def test_not_a_producer():
+    with pytest.raises(TypeError, match="has no __dlpack__"):
+        D.from_dlpack([1, 2, 3])
+
+
+@pytest.mark.parametrize("dl_type", [4, 7, 10, 14])
+def test_unsupported_device_type(dl_type):
+    with pytest.raises(BufferError, match=f"device type {dl_type}"):
+        D.from_dlpack(Producer(aligned((2,)), device=(dl_type, 0)))
+
+
+def test_newer_major_version_is_released_and_refused():
+    a = aligned((3,))
+    p = T.HostCAI(a)
+    ref = weakref.ref(p)
+    cap = T.host_capsule(p, versioned=True)
+    del p
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    ctypes.c_uint32.from_address(get(cap, b"dltensor_versioned")).value = 2
+    with pytest.raises(BufferError, match="DLPack 2.1"):
+        D.from_dlpack(cap)
+    gc.collect()
+    assert ref() is None, "a refused tensor must still be freed"
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_tensor_owner_lives_until_jax_frees_the_buffer(versioned):
+    a = aligned((16,))
+    p = Producer(a, versioned=versioned)
+    x = D.from_dlpack(p)
+    owner = p.owner
+    del p
+    gc.collect()
+    assert owner() is not None, "the capsule's owner must live while JAX holds the view"
+    y = x * 2
+    del x
+    y.block_until_ready()
+    gc.collect()
+    assert owner() is None, "and go when JAX frees the buffer"
+    np.testing.assert_array_equal(np.asarray(y), a * 2)
+
+
+def test_strided_copy_releases_the_tensor():
+    p = Producer(aligned((8, 8))[::2, ::3])
+    x = D.from_dlpack(p)
+    x.block_until_ready()
+    gc.collect()
+    assert p.owner() is None
+    np.testing.assert_array_equal(np.asarray(x), p.array)
+
+
+def test_copy_and_device_rules():
+    a = aligned((8,))
+    x = D.from_dlpack(a, copy=True)
+    assert x.unsafe_buffer_pointer() != a.ctypes.data
+    np.testing.assert_array_equal(np.asarray(x), a)
+    y = D.from_dlpack(a, device=jax.devices("cpu")[0], copy=False)
+    assert y.unsafe_buffer_pointer() == a.ctypes.data
+
+
+def test_unaligned_cpu_memory_with_copy_false():
+    raw = T.aligned_empty((80,), np.uint8)
+    v = raw[4:68].view(np.float32)  # 4-byte aligned only
+    v[...] = np.arange(16)
+    x = D.from_dlpack(v)  # jaxlib copies unaligned host memory itself
+    np.testing.assert_array_equal(np.asarray(x), np.arange(16))
