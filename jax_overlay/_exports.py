@@ -174,3 +174,105 @@ def _cai_property(self):
 cai_property = property(
     _cai_property,
     doc="CUDA Array Interface v3 (jax_overlay): zero-copy, stream-ordered.")
+
+
+# DLPack export ------------------------------------------------------------
+
+_KDLCPU, _KDLCUDA, _KDLCUDAHOST = 1, 2, 3
+_DL_KIND_CODES = {"b": 6, "i": 0, "u": 1, "f": 2, "c": 5}
+_DL_NAMED_CODES = {"bfloat16": 4, "float8_e3m4": 7, "float8_e4m3": 8,
+                   "float8_e4m3b11fnuz": 9, "float8_e4m3fn": 10,
+                   "float8_e4m3fnuz": 11, "float8_e5m2": 12,
+                   "float8_e5m2fnuz": 13, "float8_e8m0fnu": 14}
+
+
+def _dl_dtype(dtype):
+    if dtype in _CAI_DTYPES:
+        return (_DL_KIND_CODES[dtype.kind], dtype.itemsize * 8, 1)
+    code = _DL_NAMED_CODES.get(dtype.name)
+    if code is None:
+        raise BufferError(f"DLPack has no type code for {dtype}")
+    return (code, dtype.itemsize * 8, 1)
+
+
+def _dl_check(x):
+    """The CAI export's checks, with the DLPack protocol's BufferError."""
+    try:
+        _check(x)
+    except AttributeError as e:
+        if "only defined for arrays on a CUDA GPU" not in str(e):
+            raise BufferError(str(e).replace("__cuda_array_interface__", "__dlpack__")) from None
+
+
+def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
+    """A DLPack capsule of a single-device JAX array, per the Array API's
+    ``__dlpack__``.
+
+    * ``max_version`` >= (1, 0): a versioned capsule with READ_ONLY (JAX arrays
+      are immutable) and IS_COPIED when a copy was made; else a legacy one.
+    * ``stream`` for GPU arrays: None = the legacy default stream, -1 = no
+      ordering, 1 / 2 / a handle = that stream, which waits on the GPU for the
+      array's pending computation; the host never waits.  CPU consumers of a
+      pending array (a CPU array, or ``dl_device=(kDLCPU, 0)`` on a pinned
+      one) can only be served by waiting for it.
+    * ``dl_device=(kDLCPU, 0)`` on a ``pinned_host`` array is a zero-copy CPU
+      view; another device copies there (BufferError with ``copy=False``).
+    * The capsule holds the array, and for a ready array also jaxlib's
+      external reference, which makes XLA refuse to donate the buffer while a
+      consumer holds it.  A pending array cannot get one without waiting, so
+      donating it while exported is undefined.
+    """
+    import jax
+    if type(x) is not rt.ArrayImpl:
+        _check(x)
+    _dl_check(x)
+    dl_dtype = _dl_dtype(x.dtype)  # before any copy or reference is made
+    src_type, src_id = (int(v) for v in x.__dlpack_device__())
+    target = (src_type, src_id)
+    copied = False
+    if dl_device is not None and tuple(int(v) for v in dl_device) != target:
+        want = tuple(int(v) for v in dl_device)
+        if src_type == _KDLCUDAHOST and want == (_KDLCPU, 0):
+            target = want  # the same pinned memory, read by the host
+        else:
+            if copy is False:
+                raise BufferError(
+                    f"dl_device={want} differs from the array's {target}, which "
+                    "needs a copy; pass copy=None or copy=True")
+            if want[0] == _KDLCPU:
+                dest = rt.host_device()
+            elif want[0] == _KDLCUDA:
+                dest = rt.gpu_device(want[1])
+            else:
+                raise BufferError(f"dl_device={want}: jax_overlay exports to kDLCPU or kDLCUDA")
+            x, copied, target = jax.device_put(x, dest), True, want
+    if copy and not copied:
+        x, copied = jax.device_put(x, x.sharding, may_alias=False), True
+    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)
+                               or stream == 0 or stream < -1):
+        raise BufferError(
+            f"stream={stream!r}: pass None (legacy default stream), -1 (no "
+            "ordering), 1, 2 or a CUDA stream handle")
+    ready = x.is_ready()
+    if target[0] == _KDLCPU:
+        if stream not in (None, -1):
+            raise BufferError(f"stream={stream!r} for host memory: CPU consumers pass None")
+        if not ready:
+            x.block_until_ready()  # a host reader has no stream to wait on
+            ready = True
+    elif not ready and stream != -1:
+        ordinal = _cuda_ordinal(x.unsafe_buffer_pointer())
+        _order(x, ordinal, _LEGACY_STREAM if stream is None else stream)
+    dtype = x.dtype
+    strides = _strides(x, dtype.itemsize)
+    if strides is not None:
+        strides = [s // dtype.itemsize for s in strides]
+    # Lifetime: the array keeps its buffer; for a ready array jaxlib's own
+    # capsule (never consumed: its destructor drops the external reference
+    # when ours is freed) also makes PJRT refuse donation meanwhile.
+    owner = (x, rt.external_reference(x)) if ready else x
+    versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    flags = ext.FLAG_READ_ONLY | (ext.FLAG_IS_COPIED if copied else 0)
+    return ext.raw_capsule(owner, x.unsafe_buffer_pointer(), list(x.shape), strides,
+                           dl_dtype, target[0], target[1], versioned,
+                           flags if versioned else 0)

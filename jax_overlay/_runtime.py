@@ -97,6 +97,14 @@ def order_stream_after(x, stream: int) -> None:
     _jax.buffer_to_dlpack_managed_tensor(x, stream=stream)
 
 
+def external_reference(x):
+    """jaxlib's DLPack capsule of a ready array, kept unconsumed: it holds a
+    PJRT external reference (no donation while it lives) and releases it
+    from its destructor.  Only for ready arrays: on jaxlib 0.11.2 it waits
+    on the host for pending ones."""
+    return _jax.buffer_to_dlpack_managed_tensor(x)
+
+
 def canonical(dtype):
     return _dtypes.canonicalize_dtype(dtype)
 

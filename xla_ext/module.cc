@@ -73,12 +73,27 @@ py::object Steal(PyObject* o) {
 py::object RawCapsule(py::handle owner, uintptr_t data,
                       const std::vector<int64_t>& shape,
                       std::optional<std::vector<int64_t>> strides,
-                      const std::string& typestr, int device_type,
+                      py::handle dtype, int device_type,
                       int device_id, bool versioned, uint64_t flags) {
   TensorDesc d;
   Error err;
   int itemsize = 0;
-  if (!TypestrToDtype(typestr, &d.dtype, &itemsize, &err)) Raise(err);
+  // A NumPy type string, or a DLPack (code, bits, lanes) for the types the
+  // CAI cannot name (bfloat16, float8).
+  if (py::isinstance<py::str>(dtype)) {
+    if (!TypestrToDtype(dtype.cast<std::string>(), &d.dtype, &itemsize, &err)) {
+      Raise(err);
+    }
+  } else {
+    auto t = dtype.cast<std::tuple<int, int, int>>();
+    if (std::get<0>(t) < 0 || std::get<0>(t) > 255 || std::get<1>(t) <= 0 ||
+        std::get<1>(t) > 255 || std::get<2>(t) <= 0 || std::get<2>(t) > 65535) {
+      throw py::value_error("dtype must be (code 0-255, bits 1-255, lanes 1-65535)");
+    }
+    d.dtype = dl::DataType{static_cast<uint8_t>(std::get<0>(t)),
+                           static_cast<uint8_t>(std::get<1>(t)),
+                           static_cast<uint16_t>(std::get<2>(t))};
+  }
   if (strides && strides->size() != shape.size()) {
     throw py::value_error("strides must have one entry per dimension");
   }
@@ -168,11 +183,12 @@ PYBIND11_MODULE(_xla_ext, m) {
       "until its deleter runs.");
 
   m.def("raw_capsule", &RawCapsule, py::arg("owner"), py::arg("data"),
-        py::arg("shape"), py::arg("strides"), py::arg("typestr"),
+        py::arg("shape"), py::arg("strides"), py::arg("dtype"),
         py::arg("device_type"), py::arg("device_id"),
         py::arg("versioned") = false, py::arg("flags") = 0,
         "A DLPack capsule over `data` with the given shape, strides "
-        "(elements) and type string, holding `owner` alive.");
+        "(elements) and dtype (type string or (code, bits, lanes)), holding "
+        "`owner` alive.");
 
   m.def(
       "versioned_to_legacy",

@@ -1,0 +1,147 @@
+"""DLPack export on the CPU: versions, flags, dtypes, copies, devices,
+streams, lifetimes and donation."""
+
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_overlay import _dlpack as D
+from jax_overlay import _exports as E
+from jax_overlay import _testing as T
+from jax_overlay import _xla_ext as ext
+
+CPU = jax.devices("cpu")[0]
+
+
+def on_cpu(x):
+    return jax.device_put(x, CPU)
+
+
+@pytest.fixture(autouse=True)
+def balanced():
+    gc.collect()
+    live = ext.live_tensors()
+    yield
+    gc.collect()
+    assert ext.live_tensors() == live
+
+
+def test_versioned_read_only_view_for_numpy():
+    x = on_cpu(jnp.arange(6.0).reshape(2, 3))
+    cap = E.to_dlpack(x, max_version=(1, 1))
+    info = ext.capsule_info(cap)
+    assert info["versioned"] and info["version"] == (1, 1)
+    assert info["flags"] == ext.FLAG_READ_ONLY
+    a = np.from_dlpack(T.DLPackHolder(cap))
+    assert not a.flags.writeable
+    assert a.ctypes.data == x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(a, np.asarray(x))
+
+
+@pytest.mark.parametrize("max_version", [None, (0, 8)])
+def test_legacy_capsule_for_old_consumers(max_version):
+    cap = E.to_dlpack(on_cpu(jnp.ones(3)), max_version=max_version)
+    assert ext.capsule_info(cap)["versioned"] is False
+
+
+def test_newer_consumer_gets_our_newest():
+    cap = E.to_dlpack(on_cpu(jnp.ones(3)), max_version=(2, 0))
+    assert ext.capsule_info(cap)["version"] == (1, 1)
+
+
+def test_copy_sets_is_copied():
+    x = on_cpu(jnp.arange(4.0))
+    cap = E.to_dlpack(x, max_version=(1, 0), copy=True)
+    info = ext.capsule_info(cap)
+    assert info["flags"] == ext.FLAG_READ_ONLY | ext.FLAG_IS_COPIED
+    assert info["data"] != x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.from_dlpack(T.DLPackHolder(cap)), np.arange(4.0))
+
+
+@pytest.mark.parametrize("dtype,code", [
+    (jnp.bool_, (6, 8, 1)), (jnp.int8, (0, 8, 1)), (jnp.uint32, (1, 32, 1)),
+    (jnp.float16, (2, 16, 1)), (jnp.float32, (2, 32, 1)), (jnp.complex64, (5, 64, 1)),
+    (jnp.bfloat16, (4, 16, 1)), (ml_dtypes.float8_e4m3fn, (10, 8, 1)),
+    (ml_dtypes.float8_e5m2, (12, 8, 1))])
+def test_dtype_codes(dtype, code):
+    cap = E.to_dlpack(on_cpu(jnp.zeros(4, dtype)), max_version=(1, 0))
+    assert ext.capsule_info(cap)["dtype"] == code
+
+
+def test_sub_byte_types_are_refused():
+    with pytest.raises(BufferError, match="int4"):
+        E.to_dlpack(on_cpu(jnp.zeros(4, jnp.int4)))
+
+
+def test_round_trip_through_our_import_is_zero_copy():
+    x = on_cpu(jnp.arange(12.0).reshape(3, 4))
+    y = D.from_dlpack(E.to_dlpack(x, max_version=(1, 1)))
+    assert y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+def test_non_row_major_layout_exports_strides():
+    base = T.aligned_empty((6, 4), np.float32).T
+    base[...] = np.arange(24).reshape(4, 6)
+    x = T.import_host(T.HostCAI(base))
+    info = ext.capsule_info(E.to_dlpack(x, max_version=(1, 0)))
+    assert info["strides"] == (1, 4) and info["layout"] == "permuted"
+    np.testing.assert_array_equal(np.from_dlpack(T.DLPackHolder(E.to_dlpack(x))), base)
+
+
+def test_the_array_lives_while_the_capsule_does():
+    x = on_cpu(jnp.arange(8.0))
+    ref = weakref.ref(x)
+    cap = E.to_dlpack(x, max_version=(1, 0))
+    del x
+    gc.collect()
+    assert ref() is not None
+    del cap
+    gc.collect()
+    assert ref() is None
+
+
+def test_export_blocks_donation_while_held():
+    x = on_cpu(jnp.arange(8.0))
+    view = np.from_dlpack(T.DLPackHolder(E.to_dlpack(x, max_version=(1, 0))))
+    jax.jit(lambda v: v + 1, donate_argnums=0)(x)
+    assert not x.is_deleted(), "a buffer a consumer holds must not be donated"
+    np.testing.assert_array_equal(view, np.arange(8.0))
+
+
+@pytest.mark.parametrize("stream", [0, -2, 1.5, True])
+def test_bad_streams(stream):
+    with pytest.raises(BufferError, match="stream="):
+        E.to_dlpack(on_cpu(jnp.ones(2)), stream=stream)
+
+
+def test_cpu_arrays_take_no_stream():
+    x = on_cpu(jnp.ones(2))
+    E.to_dlpack(x, stream=None)
+    E.to_dlpack(x, stream=-1)
+    with pytest.raises(BufferError, match="CPU consumers pass None"):
+        E.to_dlpack(x, stream=1)
+
+
+def test_dl_device_rules():
+    x = on_cpu(jnp.ones(2))
+    cap = E.to_dlpack(x, dl_device=(1, 0), copy=False)
+    assert ext.capsule_info(cap)["data"] == x.unsafe_buffer_pointer()
+    with pytest.raises(BufferError, match="needs a copy"):
+        E.to_dlpack(x, dl_device=(2, 0), copy=False)
+    with pytest.raises(BufferError, match="kDLCPU or kDLCUDA"):
+        E.to_dlpack(x, dl_device=(4, 0))
+
+
+def test_deleted_and_not_arrays():
+    x = on_cpu(jnp.ones(2))
+    x.delete()
+    with pytest.raises(BufferError, match="deleted or donated"):
+        E.to_dlpack(x)
+    with pytest.raises(TypeError, match="expected a jax.Array"):
+        E.to_dlpack(np.ones(2))
