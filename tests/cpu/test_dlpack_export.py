@@ -22,13 +22,7 @@ def on_cpu(x):
     return jax.device_put(x, CPU)
 
 
-@pytest.fixture(autouse=True)
-def balanced():
-    gc.collect()
-    live = ext.live_tensors()
-    yield
-    gc.collect()
-    assert ext.live_tensors() == live
+pytestmark = pytest.mark.usefixtures("balanced")
 
 
 def test_versioned_read_only_view_for_numpy():

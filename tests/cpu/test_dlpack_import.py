@@ -21,13 +21,7 @@ def aligned(shape, dtype=np.float32):
     return a
 
 
-@pytest.fixture(autouse=True)
-def balanced():
-    gc.collect()
-    live = ext.live_tensors()
-    yield
-    gc.collect()
-    assert ext.live_tensors() == live
+pytestmark = pytest.mark.usefixtures("balanced")
 
 
 class Producer:
