@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 
+import jax
+
 from . import _imports
 from . import _runtime as rt
 from . import _xla_ext as ext
@@ -51,21 +53,22 @@ def _producer_stream(dl_type, dl_id):
     return None
 
 
-def import_dlpack(x, *, copy=None):
-    """(array, copied) for a ``__dlpack__`` producer or a raw capsule."""
-    advertised = None
+def import_dlpack(x, *, copy=None, advertised=None):
+    """(array, copied) for a ``__dlpack__`` producer or a raw capsule.
+    `advertised`: the producer's ``__dlpack_device__()`` if already asked."""
     asked_copy = None
     if isinstance(x, CapsuleType):
         cap = x
     else:
-        if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
-            raise TypeError(
-                f"{type(x).__module__}.{type(x).__qualname__} has no __dlpack__ "
-                "and __dlpack_device__; pass an array of a DLPack producer or a "
-                "DLPack capsule")
-        dl_type, dl_id = (int(v) for v in x.__dlpack_device__())
+        if advertised is None:
+            if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
+                raise TypeError(
+                    f"{type(x).__module__}.{type(x).__qualname__} has no __dlpack__ "
+                    "and __dlpack_device__; pass an array of a DLPack producer or a "
+                    "DLPack capsule")
+            advertised = tuple(int(v) for v in x.__dlpack_device__())
+        dl_type, dl_id = advertised
         _check_type(dl_type)
-        advertised = (dl_type, dl_id)
         cap, asked_copy = _request(x, _producer_stream(dl_type, dl_id), copy)
     info = ext.capsule_info(cap)  # BufferError for a consumed capsule
     copied = False
@@ -96,8 +99,8 @@ def import_dlpack(x, *, copy=None):
     else:  # device or managed memory: both are device memory to JAX
         device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDA, 16
     if info["layout"] != "strided" and info["data"] % alignment == 0:
-        # On the CPU jaxlib copies unaligned memory itself unless told not to.
-        jax_copy = False if copy is False and dl_type == KDLCPU else None
+        # On the host jaxlib copies unaligned memory itself unless told not to.
+        jax_copy = False if copy is False and dl_type in (KDLCPU, KDLCUDAHOST) else None
         try:
             arr = rt.capsule_to_array(cap, device, None, jax_copy, jax_type)
         except Exception as e:  # jaxlib's runtime error type
@@ -106,7 +109,8 @@ def import_dlpack(x, *, copy=None):
                     f"cannot import the array without a copy: {e}; pass "
                     "copy=None or copy=True") from None
             raise
-        return arr, copied or asked_copy is True
+        pinned_copy = jax_type == KDLCUDAHOST and not rt.PINNED_VIEW
+        return arr, copied or asked_copy is True or pinned_copy
     out = _imports.copy_import(
         cap, info["data"], info["shape"], info["strides"], info["typestr"],
         info["itemsize"], info["low"], info["span"], info["layout"], alignment,
@@ -115,15 +119,14 @@ def import_dlpack(x, *, copy=None):
 
 
 def _empty(info, dl_type, dl_id):
-    import jax
     import numpy as np
     if info["typestr"] is None:
         raise BufferError("a zero-size array of this dtype cannot be imported")
     host = np.empty(info["shape"], np.dtype(info["typestr"]))
     if dl_type == KDLCPU:
-        return jax.device_put(host, rt.host_device())
+        return rt.device_put(host, rt.host_device())
     kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"
-    return jax.device_put(host, rt.memory_sharding(rt.gpu_device(dl_id), kind))
+    return rt.device_put(host, rt.memory_sharding(rt.gpu_device(dl_id), kind))
 
 
 def from_dlpack(x, /, *, device=None, copy=None):
@@ -142,5 +145,10 @@ def from_dlpack(x, /, *, device=None, copy=None):
       (BufferError with ``copy=False``); ``device=`` and ``copy=True`` as in
       :func:`from_cuda_array_interface`.
     """
+    if isinstance(device, jax.sharding.Sharding) and len(device.device_set) != 1:
+        raise ValueError(
+            f"device={device} spans {len(device.device_set)} devices; from_dlpack "
+            "imports one buffer: pass one device, then jax.device_put the result "
+            "onto the sharding")
     arr, copied = import_dlpack(x, copy=copy)
     return _imports.finish(arr, copied, device=device, copy=copy)

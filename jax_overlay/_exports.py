@@ -4,6 +4,9 @@ waiting."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import numpy as np
 
 from . import _runtime as rt
@@ -204,6 +207,57 @@ def _dl_check(x):
             raise BufferError(str(e).replace("__cuda_array_interface__", "__dlpack__")) from None
 
 
+def _dl_enum(code):
+    """JAX's DLDeviceType member where this jax has it (it is an IntEnum)."""
+    try:
+        from jax._src.dlpack import DLDeviceType
+        return DLDeviceType(code)
+    except (ImportError, ValueError):
+        return code
+
+
+_DL_CPU = (_dl_enum(_KDLCPU), 0)
+_DL_CUDA, _DL_CUDAHOST = _dl_enum(_KDLCUDA), _dl_enum(_KDLCUDAHOST)
+
+
+@functools.cache
+def _cuda_gpus():
+    """Whether this process's "gpu" platform is CUDA (not ROCm)."""
+    try:
+        rt.gpu_backend()
+    except BufferError:
+        return False
+    return True
+
+
+def ours(x) -> bool:
+    """Whether jax_overlay exports `x` (CPU and CUDA arrays); other
+    platforms keep JAX's own protocol methods."""
+    platform = x.platform()
+    return platform == "cpu" or (platform == "gpu" and _cuda_gpus())
+
+
+def dlpack_device(x):
+    """``__dlpack_device__``: where the array's memory is.  A ``pinned_host``
+    array is kDLCUDAHost (jax < 0.10.2 said kDLCUDA), device memory kDLCUDA,
+    a CPU array kDLCPU."""
+    sharding = x.sharding
+    if type(sharding) is jax.sharding.SingleDeviceSharding:
+        device = sharding._device
+    else:
+        devices = sharding.device_set
+        if len(devices) != 1:
+            raise BufferError(
+                f"__dlpack__ describes one buffer, but this array is sharded "
+                f"over {len(devices)} devices; export each shard instead: "
+                "x.addressable_shards[i].data")
+        device, = devices
+    if device.platform == "cpu":
+        return _DL_CPU
+    return (_DL_CUDAHOST if sharding.memory_kind == "pinned_host" else _DL_CUDA,
+            device.local_hardware_id)
+
+
 def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
     """A DLPack capsule of a single-device JAX array, per the Array API's
     ``__dlpack__``.
@@ -222,12 +276,11 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
       consumer holds it.  A pending array cannot get one without waiting, so
       donating it while exported is undefined.
     """
-    import jax
     if type(x) is not rt.ArrayImpl:
         _check(x)
     _dl_check(x)
     dl_dtype = _dl_dtype(x.dtype)  # before any copy or reference is made
-    src_type, src_id = (int(v) for v in x.__dlpack_device__())
+    src_type, src_id = (int(v) for v in dlpack_device(x))
     target = (src_type, src_id)
     copied = False
     if dl_device is not None and tuple(int(v) for v in dl_device) != target:
@@ -245,9 +298,9 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
                 dest = rt.gpu_device(want[1])
             else:
                 raise BufferError(f"dl_device={want}: jax_overlay exports to kDLCPU or kDLCUDA")
-            x, copied, target = jax.device_put(x, dest), True, want
+            x, copied, target = rt.device_put(x, dest), True, want
     if copy and not copied:
-        x, copied = jax.device_put(x, x.sharding, may_alias=False), True
+        x, copied = rt.device_put(x, x.sharding, may_alias=False), True
     if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)
                                or stream == 0 or stream < -1):
         raise BufferError(

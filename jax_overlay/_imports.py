@@ -47,7 +47,7 @@ def _empty(view, host):
             kind = "pinned_host"
         dev = rt.gpu_backend().local_devices()[0]
     host_array = np.empty(view.shape, np.dtype(view.typestr))
-    return jax.device_put(host_array, rt.memory_sharding(dev, kind))
+    return rt.device_put(host_array, rt.memory_sharding(dev, kind))
 
 
 def import_cai(obj, cai=None, *, copy=None, host=None):
@@ -63,7 +63,8 @@ def import_cai(obj, cai=None, *, copy=None, host=None):
     if busy:
         _order(view, ordinal, device)
     if cap is not None:
-        return rt.capsule_to_array(cap, device, None, None, dl_type), False
+        arr = rt.capsule_to_array(cap, device, None, False if copy is False else None, dl_type)
+        return arr, dl_type == _KDLCUDAHOST and not rt.PINNED_VIEW
 
     return copy_import(obj, view.data, view.shape, view.strides, view.typestr,
                        view.itemsize, view.low, view.span, view.layout, alignment,
@@ -96,12 +97,12 @@ def copy_import(owner, data, shape, strides, typestr, itemsize, low, span,
     if pinned:
         # XLA computes on device memory: move the envelope once, gather there,
         # and put the compact result back where the producer kept it.
-        envelope = jax.device_put(envelope, rt.memory_sharding(device, "device"))
+        envelope = rt.device_put(envelope, rt.memory_sharding(device, "device"))
     out = _strided.gather(envelope, shape,
                           strides if strides is not None else _row_major(shape),
                           offset, typestr, unit)
     if pinned:
-        out = jax.device_put(out, rt.memory_sharding(device, "pinned_host"))
+        out = rt.device_put(out, rt.memory_sharding(device, "pinned_host"))
     return out
 
 
@@ -141,9 +142,9 @@ def finish(arr, copied, *, device=None, copy=None):
                 f"the array lives on {arr.sharding} and device={device} asks "
                 "for another place, which needs a copy; pass copy=None or "
                 "copy=True")
-        return jax.device_put(arr, device)
+        return rt.device_put(arr, device)
     if copy and not copied:
-        return jax.device_put(arr, arr.sharding, may_alias=False)
+        return rt.device_put(arr, arr.sharding, may_alias=False)
     return arr
 
 

@@ -1,15 +1,29 @@
-"""install()/uninstall(): wire the import path into JAX's public API with
-JAX's own signatures.  Only objects JAX itself would have handed to its
-CUDA Array Interface reader change route; every other input reaches JAX's
-original function untouched."""
+"""install()/uninstall(): wire the import and export paths into JAX's public
+API with JAX's own signatures.
+
+Imports: ``jax.dlpack.from_dlpack`` and ``jnp.from_dlpack`` become
+:func:`jax_overlay.from_dlpack`.  ``jnp.asarray``, ``jnp.array`` and
+``jax.device_put`` take foreign GPU arrays (DLPack preferred, else the CUDA
+Array Interface) zero-copy, then apply JAX's own semantics to the view.
+Every other input reaches JAX's original function untouched: host arrays
+(NumPy, CPU tensors) keep JAX's copy onto the default device, as JAX
+deliberately does not take CPU DLPack in asarray (data-apis/array-api#301).
+
+Exports: ``jax.Array.__dlpack__``, ``__dlpack_device__`` and
+``__cuda_array_interface__`` become jax_overlay's for CPU and CUDA arrays.
+"""
 
 from __future__ import annotations
 
 import functools
 import threading
 
+import jax
+import jax.dlpack
 import jax.numpy as jnp
+import numpy as np
 
+from . import _dlpack
 from . import _exports
 from . import _imports
 from . import _runtime as rt
@@ -17,12 +31,27 @@ from . import _runtime as rt
 _lock = threading.Lock()
 _saved: dict[tuple[object, str], object] = {}
 
+# Inputs JAX reads itself, checked by exact type before any attribute lookup:
+# the common calls (NumPy arrays, scalars, lists) pay one set lookup.
+_JAX_NATIVE = frozenset({rt.ArrayImpl, np.ndarray, int, float, complex, bool,
+                         list, tuple, type(None)})
+_GPU_TYPES = frozenset({_dlpack.KDLCUDA, _dlpack.KDLCUDAHOST, _dlpack.KDLCUDAMANAGED})
+
 
 def _foreign(obj, copy):
-    """(view, copied) for an object JAX would read through its CUDA Array
-    Interface branch (not a JAX array, no __jax_array__), else None."""
-    if type(obj) is rt.ArrayImpl or hasattr(obj, "__jax_array__"):
+    """(view, copied) for a foreign array in CUDA memory (device, pinned or
+    managed), else None: DLPack when the object has it, else its CUDA Array
+    Interface."""
+    t = type(obj)
+    if t in _JAX_NATIVE or isinstance(obj, np.generic) or hasattr(obj, "__jax_array__"):
         return None
+    dlpack_device = getattr(obj, "__dlpack_device__", None)
+    if dlpack_device is not None and hasattr(obj, "__dlpack__"):
+        dl_type, dl_id = dlpack_device()
+        if int(dl_type) in _GPU_TYPES:
+            return _dlpack.import_dlpack(obj, copy=copy, advertised=(int(dl_type), int(dl_id)))
+        if int(dl_type) == _dlpack.KDLCPU:
+            return None  # JAX's own host path, even if it also has a CAI
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:
         return None
@@ -63,9 +92,61 @@ def _array(orig):
     return array
 
 
+def _leaf(x):
+    hit = _foreign(x, None)
+    if hit is None:
+        return x
+    view, copied = hit
+    # 64-bit data in 32-bit mode narrows, as device_put does for NumPy.
+    return _imports.finish(view, copied)
+
+
+def _device_put(orig):
+    @functools.wraps(orig)
+    def device_put(x, *args, **kwargs):
+        if type(x) in _JAX_NATIVE and type(x) not in (list, tuple):
+            return orig(x, *args, **kwargs)
+        # Pytrees of foreign arrays too: each leaf becomes a zero-copy view,
+        # then JAX places the tree (an alias where it already is).
+        return orig(jax.tree_util.tree_map(_leaf, x), *args, **kwargs)
+    return device_put
+
+
+def _from_dlpack(orig):
+    @functools.wraps(orig)
+    def from_dlpack(external_array, device=None, copy=None):
+        return _dlpack.from_dlpack(external_array, device=device, copy=copy)
+    return from_dlpack
+
+
+def _jnp_from_dlpack(orig):
+    @functools.wraps(orig)
+    def from_dlpack(x, /, *, device=None, copy=None):
+        return _dlpack.from_dlpack(x, device=device, copy=copy)
+    return from_dlpack
+
+
+def _method(ours, stock):
+    """Our export for CPU and CUDA arrays; JAX's own for any other platform."""
+    @functools.wraps(stock)
+    def method(self, *args, **kwargs):
+        if _exports.ours(self):
+            return ours(self, *args, **kwargs)
+        return stock(self, *args, **kwargs)
+    return method
+
+
 def _targets():
-    return [(jnp, "asarray", _asarray), (jnp, "array", _array),
-            (rt.ArrayImpl, "__cuda_array_interface__", lambda orig: _exports.cai_property)]
+    return [
+        (jnp, "asarray", _asarray),
+        (jnp, "array", _array),
+        (jnp, "from_dlpack", _jnp_from_dlpack),
+        (jax.dlpack, "from_dlpack", _from_dlpack),
+        (jax, "device_put", _device_put),
+        (rt.ArrayImpl, "__cuda_array_interface__", lambda orig: _exports.cai_property),
+        (rt.ArrayImpl, "__dlpack__", lambda orig: _method(_exports.to_dlpack, orig)),
+        (rt.ArrayImpl, "__dlpack_device__", lambda orig: _method(_exports.dlpack_device, orig)),
+    ]
 
 
 def install() -> None:

@@ -10,11 +10,40 @@ from jax._src import dtypes as _dtypes
 from jax._src import xla_bridge as _xb
 from jax._src.lib import _jax
 
-# jaxlib's DLPack import: dlpack_managed_tensor_to_buffer(capsule, device,
-# stream, copy, dl_device_type).  Every import path in this package ends here.
-capsule_to_array = _jax.dlpack_managed_tensor_to_buffer
+from jax._src.lib import version as _jaxlib_version
 
 ArrayImpl = type(jax.numpy.zeros(()))
+# JAX's own device_put, whatever install() later puts in its place.
+device_put = jax.device_put
+
+_KDLCUDAHOST = 3
+# jaxlib 0.10.2 added the dl_device_type argument, and with it views of
+# pinned host memory (kDLCUDAHost -> the pinned_host memory space).
+PINNED_VIEW = _jaxlib_version >= (0, 10, 2)
+
+
+def _capsule_to_array_before_0_10_2(cap, device, stream, copy, dl_type):
+    """jaxlib < 0.10.2 reads no device type and has no pinned_host view:
+    pinned memory is viewed by the CPU client, then copied into a
+    pinned_host buffer of `device` (BufferError with copy=False)."""
+    if dl_type != _KDLCUDAHOST:
+        return _jax.dlpack_managed_tensor_to_buffer(cap, device, stream, copy)
+    if copy is False:
+        raise BufferError(
+            f"jaxlib {'.'.join(map(str, _jaxlib_version))} cannot view pinned "
+            "host memory (kDLCUDAHost), so the import needs a copy; pass "
+            "copy=None or copy=True, or upgrade to jax >= 0.10.2 for a "
+            "zero-copy pinned_host array")
+    # The host view holds the producer until the copy below has read it:
+    # PJRT keeps a usage hold on the source buffer for the transfer.
+    host = _jax.dlpack_managed_tensor_to_buffer(cap, host_device(), None, None)
+    return device_put(host, memory_sharding(device, "pinned_host"))
+
+
+# jaxlib's DLPack import: (capsule, device, stream, copy, dl_device_type).
+# Every import path in this package ends here.
+capsule_to_array = (_jax.dlpack_managed_tensor_to_buffer if PINNED_VIEW
+                    else _capsule_to_array_before_0_10_2)
 
 
 @functools.cache
