@@ -1,0 +1,129 @@
+"""Median latency of DLPack interchange: stock JAX vs jax_overlay vs the
+peers' own conversions, idle and in-flight producers, in one process.  Run on
+a GPU machine:
+
+    python benchmarks/bench_dlpack.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import cupy as cp  # noqa: E402
+import jax  # noqa: E402
+import jax.dlpack  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+
+import jax_overlay  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
+from bench_cai_import import ROUND_MEANS, median_us  # noqa: E402
+from producers import spin_fill  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    args = p.parse_args()
+
+    n = 1 << 20
+    a = cp.arange(n, dtype=cp.float32)
+    t = torch.arange(n, dtype=torch.float32, device="cuda")
+    x = jnp.arange(n, dtype=jnp.float32) + 0
+    x.block_until_ready()
+    cp.cuda.Device().synchronize()
+    busy_cp = cp.cuda.Stream(non_blocking=True)
+    busy_torch = torch.cuda.Stream()
+    res = {}
+
+    def run(name, fn, make_arg, busy=None):
+        for _ in range(50):
+            fn(make_arg())
+        keep = []
+        if busy == "cupy":
+            spin_fill(cp.empty(1, cp.float32), 0.0, ms=1000.0, stream=busy_cp)
+        elif busy == "torch":
+            with torch.cuda.stream(busy_torch):
+                torch.cuda._sleep(2_000_000_000)
+        try:
+            res[name] = round(median_us(fn, make_arg, keep=keep), 2)
+        except Exception as e:  # noqa: BLE001 - a row that fails is a finding
+            res[name] = f"fails: {type(e).__name__}: {str(e)[:120]}"
+            print(f"  {name}: {res[name]}", file=sys.stderr)
+            return
+        print(f"  rounds of {name}: {ROUND_MEANS[-1]}", file=sys.stderr)
+        if busy == "cupy":
+            res[name + " (producer still busy after)"] = not busy_cp.done
+            busy_cp.synchronize()
+        elif busy == "torch":
+            res[name + " (producer still busy after)"] = not busy_torch.query()
+            busy_torch.synchronize()
+        keep.clear()
+
+    def on_busy_cupy():
+        with busy_cp:
+            return a
+
+    # Imports into JAX.
+    run("stock jax.dlpack.from_dlpack(cupy)", jax.dlpack.from_dlpack, lambda: a)
+    run("stock jax.dlpack.from_dlpack(torch)", jax.dlpack.from_dlpack, lambda: t)
+    jax_overlay.install()
+    run("jax_overlay jax.dlpack.from_dlpack(cupy) idle", jax.dlpack.from_dlpack, lambda: a)
+    run("jax_overlay jax.dlpack.from_dlpack(torch) idle", jax.dlpack.from_dlpack, lambda: t)
+    run("jax_overlay jnp.asarray(cupy) idle", jnp.asarray, lambda: a)
+    run("jax_overlay jnp.asarray(torch) idle", jnp.asarray, lambda: t)
+    run("jax_overlay jax.device_put(torch) idle", jax.device_put, lambda: t)
+    jax_overlay.uninstall()
+    run("jax_overlay.from_dlpack(cupy) idle", jax_overlay.from_dlpack, lambda: a)
+    run("jax_overlay.from_dlpack(torch) idle", jax_overlay.from_dlpack, lambda: t)
+
+    # In flight: the producer's current stream is busy for a second.
+    with busy_cp:
+        run("jax_overlay.from_dlpack(cupy) in flight", jax_overlay.from_dlpack,
+            lambda: a, busy="cupy")
+    with torch.cuda.stream(busy_torch):
+        run("jax_overlay.from_dlpack(torch) in flight", jax_overlay.from_dlpack,
+            lambda: t, busy="torch")
+
+    # Peers importing from each other.
+    run("peer: torch.from_dlpack(cupy)", torch.from_dlpack, lambda: a)
+    run("peer: cupy.from_dlpack(torch)", cp.from_dlpack, lambda: t)
+
+    # Exports from JAX.
+    run("stock torch.from_dlpack(jax)", torch.from_dlpack, lambda: x)
+    run("stock cupy.from_dlpack(jax)", cp.from_dlpack, lambda: x)
+    run("stock x.__dlpack__(max_version=(1,1))", lambda v: v.__dlpack__(max_version=(1, 1)), lambda: x)
+    jax_overlay.install()
+    run("jax_overlay torch.from_dlpack(jax)", torch.from_dlpack, lambda: x)
+    run("jax_overlay cupy.from_dlpack(jax)", cp.from_dlpack, lambda: x)
+    run("jax_overlay x.__dlpack__(max_version=(1,1))", lambda v: v.__dlpack__(max_version=(1, 1)), lambda: x)
+    run("jax_overlay x.__dlpack_device__()", lambda v: v.__dlpack_device__(), lambda: x)
+    jax_overlay.uninstall()
+    run("stock x.__dlpack_device__()", lambda v: v.__dlpack_device__(), lambda: x)
+
+    meta = {
+        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "driver": cp.cuda.runtime.driverGetVersion(),
+        "jax": jax.__version__, "cupy": cp.__version__, "torch": torch.__version__,
+        "python": platform.python_version(), "statistic": "median of round means, us",
+    }
+    out = {"meta": meta, "results_us": res, "round_means": ROUND_MEANS}
+    w = max(len(k) for k in res)
+    for k, v in res.items():
+        print(f"{k:<{w}}  {v}")
+    print(json.dumps(meta))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

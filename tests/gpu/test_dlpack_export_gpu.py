@@ -1,0 +1,169 @@
+"""DLPack export on the GPU, installed: PyTorch and CuPy read JAX arrays
+zero-copy, ordered after the producing computation on their own stream while
+it is still running; versioned read-only capsules; pinned_host arrays reach
+the host through the CPU view."""
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+import jax_overlay  # noqa: E402
+from jax_overlay import _xla_ext as ext  # noqa: E402
+
+N = 1 << 22
+TRIALS = 50
+GPU = jax.devices("cuda")[0]
+
+
+@jax.jit
+def slow(k):
+    """A few milliseconds of GPU work, then an array of exactly k."""
+    v = lax.fori_loop(0, 300, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5,
+                      jnp.full(N, 1.0, jnp.float32))
+    return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    jax_overlay.install()
+    slow(0.0).block_until_ready()
+    yield
+    jax_overlay.uninstall()
+
+
+def trials(read):
+    stale, pending = 0, 0
+    for k in range(1, TRIALS + 1):
+        x = slow(float(k))
+        pending += not x.is_ready()
+        lo, hi = read(x)
+        stale += (lo, hi) != (k, k)
+    return stale, pending
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("stream", ["default", "user"])
+def test_torch_reads_inflight_arrays_correctly(stream):
+    torch = _torch()
+    s = torch.cuda.Stream() if stream == "user" else torch.cuda.current_stream()
+
+    def read(x):
+        with torch.cuda.stream(s):
+            t = torch.from_dlpack(x)
+            assert t.data_ptr() == x.unsafe_buffer_pointer()
+            lo, hi = t.min().item(), t.max().item()
+        return lo, hi
+    stale, pending = trials(read)
+    assert pending > TRIALS // 2, "the producer was not in flight: the test proves nothing"
+    assert stale == 0, f"{stale} of {TRIALS} PyTorch reads were stale"
+
+
+@pytest.mark.parametrize("stream", ["legacy", "user"])
+def test_cupy_reads_inflight_arrays_correctly(stream):
+    s = cp.cuda.Stream.null if stream == "legacy" else cp.cuda.Stream(non_blocking=True)
+
+    def read(x):
+        with s:
+            c = cp.from_dlpack(x)
+            assert c.data.ptr == x.unsafe_buffer_pointer()
+            return float(c.min()), float(c.max())
+    stale, pending = trials(read)
+    assert pending > TRIALS // 2, "the producer was not in flight: the test proves nothing"
+    assert stale == 0, f"{stale} of {TRIALS} CuPy reads were stale"
+
+
+def test_control_stream_minus_one_reads_stale():
+    """The detector works: with stream=-1 (no ordering) a user stream reads
+    before the computation is done."""
+    s = cp.cuda.Stream(non_blocking=True)
+
+    def read(x):
+        with s:
+            c = cp.from_dlpack(_NoOrder(x))
+            return float(c.min()), float(c.max())
+    stale, _ = trials(read)
+    assert stale > 0, "unordered reads were never stale: the in-flight tests prove nothing"
+
+
+class _NoOrder:
+    def __init__(self, x):
+        self.x = x
+
+    def __dlpack__(self, *, stream=None, **kw):
+        return self.x.__dlpack__(stream=-1, **kw)
+
+    def __dlpack_device__(self):
+        return self.x.__dlpack_device__()
+
+
+def test_export_does_not_wait_for_the_computation():
+    torch = _torch()
+    waited = 0
+    for k in range(1, 21):
+        x = slow(float(k))
+        t = torch.from_dlpack(x)
+        waited += x.is_ready()
+        assert t.max().item() == k
+    assert waited < 10, f"{waited} of 20 exports returned only once the array was ready"
+
+
+def test_versioned_capsule_is_read_only_and_consumers_take_it():
+    torch = _torch()
+    x = jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4) + 0
+    cap = x.__dlpack__(max_version=(1, 1), stream=-1)
+    info = ext.capsule_info(cap)
+    assert info["versioned"] and info["flags"] & ext.FLAG_READ_ONLY
+    assert info["device"] == (2, GPU.local_hardware_id)
+    t = torch.from_dlpack(x)
+    c = cp.from_dlpack(x)
+    assert t.data_ptr() == c.data.ptr == x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(t.cpu().numpy(), np.asarray(x))
+    np.testing.assert_array_equal(cp.asnumpy(c), np.asarray(x))
+
+
+def test_non_row_major_layout_reaches_torch_with_strides():
+    torch = _torch()
+    x = jnp.asarray(np.arange(24, dtype=np.float32).reshape(4, 6))
+    t = torch.from_dlpack(x)
+    np.testing.assert_array_equal(t.cpu().numpy(), np.asarray(x))
+
+
+def test_torch_pinned_round_trip_through_pinned_host_and_the_cpu_view():
+    torch = _torch()
+    t = torch.arange(32, dtype=torch.float32).pin_memory()
+    x = jax.dlpack.from_dlpack(t)
+    assert x.sharding.memory_kind == "pinned_host"
+    assert x.unsafe_buffer_pointer() == t.data_ptr()
+    assert tuple(int(v) for v in x.__dlpack_device__()) == (3, GPU.local_hardware_id)
+    a = np.from_dlpack(x, device="cpu")
+    assert a.ctypes.data == t.data_ptr() and not a.flags.writeable
+    back = torch.from_dlpack(x.__dlpack__(dl_device=(1, 0)))
+    assert back.device.type == "cpu" and back.data_ptr() == t.data_ptr()
+    np.testing.assert_array_equal(back.numpy(), np.arange(32))
+
+
+def test_jax_pinned_host_array_reaches_numpy_and_torch():
+    torch = _torch()
+    x = jax.device_put(np.arange(10, dtype=np.float32),
+                       jax.sharding.SingleDeviceSharding(GPU, memory_kind="pinned_host"))
+    x.block_until_ready()
+    a = np.from_dlpack(x, device="cpu")
+    assert a.ctypes.data == x.unsafe_buffer_pointer()
+    t = torch.from_dlpack(x.__dlpack__(dl_device=(1, 0), max_version=(1, 0)))
+    assert t.data_ptr() == x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(t.numpy(), np.arange(10))
+
+
+def test_device_copy_to_host_with_dl_device():
+    x = jnp.arange(8.0, dtype=jnp.float32) + 1
+    a = np.from_dlpack(x, device="cpu", copy=True)
+    np.testing.assert_array_equal(a, np.arange(8.0) + 1)
+    with pytest.raises(BufferError, match="needs a copy"):
+        x.__dlpack__(dl_device=(1, 0), copy=False)
