@@ -192,7 +192,9 @@ def test_sharded_arrays_point_to_shards():
             jax_overlay.cuda_array_interface(x)
         except AttributeError as e:
             assert "addressable_shards" in str(e) and "2 devices" in str(e), e
-            d = jax_overlay.cuda_array_interface(x.addressable_shards[1].data)
+            shard = x.addressable_shards[1].data
+            shard.block_until_ready()  # host memory has no stream to order a pending shard on
+            d = jax_overlay.cuda_array_interface(shard)
             assert d["shape"] == (4,)
             print("ok")
     """)
