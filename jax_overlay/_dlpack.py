@@ -30,15 +30,15 @@ def _check_type(dl_type):
 def _request(x, stream, copy):
     """Asks for a versioned capsule; producers that predate the 2023 Array
     API (no max_version/copy keywords) raise TypeError and get the legacy
-    call, as the protocol says."""
+    call, as the protocol says.  Only copy=False is passed on: a copy is
+    made on JAX's side (CuPy's __dlpack__ refuses copy=True on the GPU)."""
     kwargs = {"stream": stream, "max_version": MAX_VERSION}
-    if copy is not None:
-        kwargs["copy"] = copy
+    if copy is False:
+        kwargs["copy"] = False
     try:
-        return x.__dlpack__(**kwargs), copy
+        return x.__dlpack__(**kwargs)
     except TypeError:
-        # Without the copy keyword the producer cannot copy for us: we do it.
-        return x.__dlpack__(stream=stream), None
+        return x.__dlpack__(stream=stream)
 
 
 def _producer_stream(dl_type, dl_id):
@@ -56,7 +56,6 @@ def _producer_stream(dl_type, dl_id):
 def import_dlpack(x, *, copy=None, advertised=None):
     """(array, copied) for a ``__dlpack__`` producer or a raw capsule.
     `advertised`: the producer's ``__dlpack_device__()`` if already asked."""
-    asked_copy = None
     if isinstance(x, CapsuleType):
         cap = x
     else:
@@ -69,7 +68,7 @@ def import_dlpack(x, *, copy=None, advertised=None):
             advertised = tuple(int(v) for v in x.__dlpack_device__())
         dl_type, dl_id = advertised
         _check_type(dl_type)
-        cap, asked_copy = _request(x, _producer_stream(dl_type, dl_id), copy)
+        cap = _request(x, _producer_stream(dl_type, dl_id), copy)
     info = ext.capsule_info(cap)  # BufferError for a consumed capsule
     copied = False
     if info["versioned"]:
@@ -110,7 +109,7 @@ def import_dlpack(x, *, copy=None, advertised=None):
                     "copy=None or copy=True") from None
             raise
         pinned_copy = jax_type == KDLCUDAHOST and not rt.PINNED_VIEW
-        return arr, copied or asked_copy is True or pinned_copy
+        return arr, copied or pinned_copy
     out = _imports.copy_import(
         cap, info["data"], info["shape"], info["strides"], info["typestr"],
         info["itemsize"], info["low"], info["span"], info["layout"], alignment,

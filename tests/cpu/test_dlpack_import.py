@@ -54,8 +54,10 @@ def test_asks_for_version_1_and_stream_none_on_cpu():
     p = Producer(aligned((4,)))
     D.from_dlpack(p)
     assert p.asked == [{"stream": None, "max_version": D.MAX_VERSION}]
-    D.from_dlpack(p, copy=True)
-    assert p.asked[-1]["copy"] is True
+    x = D.from_dlpack(p, copy=True)  # JAX copies: the producer is not asked to
+    assert "copy" not in p.asked[-1] and x.unsafe_buffer_pointer() != p.array.ctypes.data
+    D.from_dlpack(p, copy=False)
+    assert p.asked[-1]["copy"] is False
 
 
 @pytest.mark.parametrize("versioned", [True, False])
