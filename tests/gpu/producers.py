@@ -1,9 +1,15 @@
 """GPU producers for the suite: CuPy, Numba and PyTorch arrays, a kernel that
-keeps a stream busy and then writes, and CAI wrappers with chosen streams."""
+keeps a stream busy and then writes, a JAX computation that is still running
+when its array is exported, and CAI wrappers with chosen streams."""
 
 from __future__ import annotations
 
+import functools
+
 import cupy as cp
+import jax
+import jax.numpy as jnp
+from jax import lax
 
 SPIN_SRC = r"""
 extern "C" __global__ void spin_fill(float* out, long long n, long long cycles, float value) {
@@ -45,3 +51,25 @@ STREAMS = {
     "per_thread": lambda: (cp.cuda.Stream.ptds, 2),
     "user": lambda: ((s := cp.cuda.Stream(non_blocking=True)), s.ptr),
 }
+
+
+JAX_N = 1 << 22
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _jax_busy(k, seed, steps):
+    v = lax.fori_loop(0, steps, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5, seed)
+    return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
+
+
+@functools.cache
+def _seed():
+    return jnp.ones(JAX_N, jnp.float32)
+
+
+def jax_fill(k, *, steps=300):
+    """A JAX array of JAX_N values exactly `k`, written after `steps` passes
+    over 16 MiB on XLA's compute stream (300: a few ms; 20000: a few hundred).
+    The loop starts from an argument, not a constant, so XLA cannot fold it
+    away: a producer that is done before its consumer reads proves nothing."""
+    return _jax_busy(float(k), _seed(), steps)

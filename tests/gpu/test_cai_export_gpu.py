@@ -9,27 +9,19 @@ import pytest
 cp = pytest.importorskip("cupy")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
 
 import jax_overlay  # noqa: E402
 from jax_overlay import config  # noqa: E402
 
-N = 1 << 22
+from producers import JAX_N as N, jax_fill  # noqa: E402
+
 TRIALS = 50
-
-
-@jax.jit
-def slow(k):
-    """A few milliseconds of GPU work, then an array of exactly k."""
-    v = lax.fori_loop(0, 300, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5,
-                      jnp.full(N, 1.0, jnp.float32))
-    return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
 
 
 @pytest.fixture(autouse=True)
 def installed():
     jax_overlay.install()
-    slow(0.0).block_until_ready()
+    jax_fill(0.0).block_until_ready()
     yield
     jax_overlay.uninstall()
 
@@ -37,7 +29,7 @@ def installed():
 def trials(read):
     stale, pending = 0, 0
     for k in range(1, TRIALS + 1):
-        x = slow(float(k))
+        x = jax_fill(k)
         pending += not x.is_ready()
         lo, hi = read(x)
         stale += (lo, hi) != (k, k)
@@ -61,17 +53,9 @@ def test_control_sync_off_reads_stale(monkeypatch):
     assert stale > 0
 
 
-@jax.jit
-def very_slow(k):
-    """Hundreds of milliseconds of GPU work, then an array of exactly k."""
-    v = lax.fori_loop(0, 20000, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5,
-                      jnp.full(N, 1.0, jnp.float32))
-    return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
-
-
 def test_export_returns_while_computation_runs():
-    very_slow(0.0).block_until_ready()  # compile outside the timed part
-    x = very_slow(3.0)
+    jax_fill(0.0, steps=20000).block_until_ready()  # compile outside the timed part
+    x = jax_fill(3.0, steps=20000)
     assert not x.is_ready()
     t0 = time.perf_counter()
     d = x.__cuda_array_interface__
@@ -125,7 +109,7 @@ def test_numba_kernel_takes_jax_array():
             i = cuda.grid(1)
             if i < src.size:
                 dst[i] = src[i] * 2
-        x = slow(5.0)
+        x = jax_fill(5.0)
         out = cuda.device_array(N, np.float32)
         double[N // 256, 256](x, out)
     except AttributeError as e:

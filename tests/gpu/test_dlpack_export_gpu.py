@@ -9,28 +9,20 @@ import pytest
 cp = pytest.importorskip("cupy")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
 
 import jax_overlay  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
 
-N = 1 << 22
+from producers import jax_fill  # noqa: E402
+
 TRIALS = 50
 GPU = jax.devices("cuda")[0]
-
-
-@jax.jit
-def slow(k):
-    """A few milliseconds of GPU work, then an array of exactly k."""
-    v = lax.fori_loop(0, 300, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5,
-                      jnp.full(N, 1.0, jnp.float32))
-    return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
 
 
 @pytest.fixture(autouse=True)
 def installed():
     jax_overlay.install()
-    slow(0.0).block_until_ready()
+    jax_fill(0.0).block_until_ready()
     yield
     jax_overlay.uninstall()
 
@@ -38,7 +30,7 @@ def installed():
 def trials(read):
     stale, pending = 0, 0
     for k in range(1, TRIALS + 1):
-        x = slow(float(k))
+        x = jax_fill(k)
         pending += not x.is_ready()
         lo, hi = read(x)
         stale += (lo, hi) != (k, k)
@@ -107,7 +99,7 @@ def test_export_does_not_wait_for_the_computation():
     torch = _torch()
     waited = 0
     for k in range(1, 21):
-        x = slow(float(k))
+        x = jax_fill(k)
         t = torch.from_dlpack(x)
         waited += x.is_ready()
         assert t.max().item() == k

@@ -1,0 +1,165 @@
+"""What each step of a DLPack conversion costs on the GPU, and which steps
+wait on the host for a pending JAX array.  Run on a GPU machine:
+
+    python benchmarks/probe_dlpack.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import cupy as cp  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+from jax import lax  # noqa: E402
+
+import jax_overlay  # noqa: E402
+from jax_overlay import _exports as E  # noqa: E402
+from jax_overlay import _runtime as rt  # noqa: E402
+from jax_overlay import _xla_ext as ext  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
+from producers import JAX_N as N, jax_fill  # noqa: E402
+
+
+def very_slow(k):
+    return jax_fill(k, steps=20000)
+
+
+@jax.jit
+def constant_seeded(k):
+    """The suite's old producer: its loop starts from a constant."""
+    v = lax.fori_loop(0, 20000, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5,
+                      jnp.full(N, 1.0, jnp.float32))
+    return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
+
+
+def ms_to_ready(fn, k):
+    fn(k).block_until_ready()
+    t0 = time.perf_counter()
+    fn(k + 1.0).block_until_ready()
+    return round((time.perf_counter() - t0) * 1e3, 3)
+
+
+def us(fn, arg, n=300, rounds=5):
+    per = []
+    for _ in range(rounds):
+        args = [arg() for _ in range(n)]
+        keep = []
+        t0 = time.perf_counter_ns()
+        for a in args:
+            keep.append(fn(a))
+        per.append((time.perf_counter_ns() - t0) / n / 1e3)
+    return round(statistics.median(per), 2)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    args = p.parse_args()
+    res = {}
+    dev = jax.devices("cuda")[0]
+    compute = rt.compute_stream(dev)
+    a = cp.arange(1 << 20, dtype=cp.float32)
+    t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+
+    # How long the producers run, dispatch to ready.
+    res["ms: jax_fill(steps=300)"] = ms_to_ready(jax_fill, 0.0)
+    res["ms: jax_fill(steps=20000)"] = ms_to_ready(very_slow, 0.0)
+    res["ms: constant-seeded 20000 steps"] = ms_to_ready(constant_seeded, 0.0)
+    # Which steps wait for a pending array?
+    steps = {
+        "dispatch only": lambda x: None,
+        "compute stream idle right after dispatch": lambda x: ext.stream_idle(0, compute),
+        "unsafe_buffer_pointer": lambda x: x.unsafe_buffer_pointer(),
+        "_pjrt_layout": lambda x: x._pjrt_layout,
+        "to_dlpack(stream=-1)": lambda x: E.to_dlpack(x, stream=-1),
+        "to_dlpack(stream=1)": lambda x: E.to_dlpack(x, stream=1),
+        "cai property (installed)": lambda x: E.cuda_array_interface(x),
+        "jaxlib export stream=1": lambda x: rt.order_stream_after(x, 1),
+        "torch.from_dlpack installed": lambda x: torch.from_dlpack(x),
+        "cupy.from_dlpack installed": lambda x: cp.from_dlpack(x),
+    }
+    jax_overlay.install()
+    for name, fn in steps.items():
+        x = very_slow(1.0)
+        t0 = time.perf_counter()
+        out = fn(x)
+        dt = (time.perf_counter() - t0) * 1e3
+        res[f"wait: {name}"] = {"ms": round(dt, 3), "ready after": x.is_ready(),
+                                "result": out if isinstance(out, bool) else None}
+        x.block_until_ready()
+    jax_overlay.uninstall()
+    # How long after dispatch does the compute stream become busy?
+    lags = []
+    for _ in range(5):
+        x = very_slow(2.0)
+        t0 = time.perf_counter()
+        while ext.stream_idle(0, compute) and time.perf_counter() - t0 < 1:
+            pass
+        lags.append(round((time.perf_counter() - t0) * 1e6, 1))
+        x.block_until_ready()
+    res["us from dispatch return until compute stream busy"] = lags
+
+    # Stale-read detector: a raw view read on a non-blocking stream.
+    s = cp.cuda.Stream(non_blocking=True)
+    stale = 0
+    for k in range(1, 11):
+        x = very_slow(float(k))
+        mem = cp.cuda.UnownedMemory(x.unsafe_buffer_pointer(), N * 4, x)
+        with s:
+            c = cp.ndarray((N,), cp.float32, cp.cuda.MemoryPointer(mem, 0))
+            stale += float(c.min()) != k
+        x.block_until_ready()
+    res["raw unordered reads stale (of 10)"] = stale
+
+    # Costs of the import steps, idle producers.
+    ptd = torch._C._cuda_getCurrentRawStream(0) if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+    res["torch current raw stream"] = ptd
+    for name, fn, arg in [
+        ("cupy __dlpack__(stream=compute, v1.1)", lambda o: o.__dlpack__(stream=compute, max_version=(1, 1)), lambda: a),
+        ("cupy __dlpack__(stream=1, v1.1)", lambda o: o.__dlpack__(stream=1, max_version=(1, 1)), lambda: a),
+        ("cupy __dlpack__(stream=-1, v1.1)", lambda o: o.__dlpack__(stream=-1, max_version=(1, 1)), lambda: a),
+        ("cupy get_current_stream().ptr", lambda o: cp.cuda.get_current_stream().ptr, lambda: a),
+        ("cupy __dlpack_device__", lambda o: o.__dlpack_device__(), lambda: a),
+        ("torch __dlpack__(stream=compute, v1.1)", lambda o: o.__dlpack__(stream=compute, max_version=(1, 1)), lambda: t),
+        ("torch __dlpack__(stream=1, v1.1)", lambda o: o.__dlpack__(stream=1, max_version=(1, 1)), lambda: t),
+        ("torch __dlpack__(stream=-1, v1.1)", lambda o: o.__dlpack__(stream=-1, max_version=(1, 1)), lambda: t),
+        ("torch __dlpack_device__", lambda o: o.__dlpack_device__(), lambda: t),
+        ("torch _cuda_getCurrentRawStream", lambda o: torch._C._cuda_getCurrentRawStream(0), lambda: t),
+        ("torch current_stream().cuda_stream", lambda o: torch.cuda.current_stream().cuda_stream, lambda: t),
+        ("torch __cuda_array_interface__", lambda o: o.__cuda_array_interface__, lambda: t),
+        ("cupy __cuda_array_interface__", lambda o: o.__cuda_array_interface__, lambda: a),
+        ("capsule_info", ext.capsule_info, lambda: a.__dlpack__(stream=-1, max_version=(1, 1))),
+        ("versioned_to_legacy", ext.versioned_to_legacy, lambda: a.__dlpack__(stream=-1, max_version=(1, 1))),
+        ("jaxlib import of legacy capsule", lambda c: rt.capsule_to_array(c, dev, None, None, 2),
+         lambda: a.__dlpack__(stream=-1)),
+        ("jax_overlay.from_dlpack(cupy)", jax_overlay.from_dlpack, lambda: a),
+        ("jax_overlay.from_dlpack(torch)", jax_overlay.from_dlpack, lambda: t),
+        ("jax_overlay.from_cuda_array_interface(cupy)", jax_overlay.from_cuda_array_interface, lambda: a),
+        ("jax_overlay.from_cuda_array_interface(torch)", jax_overlay.from_cuda_array_interface, lambda: t),
+        ("stock jax.device_put(jax view, dev)", lambda v: jax.device_put(v, dev), lambda: jax_overlay.from_dlpack(a)),
+        ("stock jax.device_put(jax view)", lambda v: jax.device_put(v), lambda: jax_overlay.from_dlpack(a)),
+    ]:
+        try:
+            res[f"us: {name}"] = us(fn, arg)
+        except Exception as e:  # noqa: BLE001
+            res[f"us: {name}"] = f"fails: {type(e).__name__}: {str(e)[:160]}"
+    for k, v in res.items():
+        print(f"{k:<60} {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
