@@ -56,50 +56,43 @@ def _producer_stream(dl_type, dl_id):
 def import_dlpack(x, *, copy=None, advertised=None):
     """(array, copied) for a ``__dlpack__`` producer or a raw capsule.
     `advertised`: the producer's ``__dlpack_device__()`` if already asked."""
-    if isinstance(x, CapsuleType):
+    if type(x) is CapsuleType:
         cap = x
     else:
         if advertised is None:
-            if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
+            device = getattr(x, "__dlpack_device__", None)
+            if device is None or not hasattr(x, "__dlpack__"):
                 raise TypeError(
                     f"{type(x).__module__}.{type(x).__qualname__} has no __dlpack__ "
                     "and __dlpack_device__; pass an array of a DLPack producer or a "
                     "DLPack capsule")
-            advertised = tuple(int(v) for v in x.__dlpack_device__())
-        dl_type, dl_id = advertised
-        _check_type(dl_type)
-        cap = _request(x, _producer_stream(dl_type, dl_id), copy)
-    info = ext.capsule_info(cap)  # BufferError for a consumed capsule
-    copied = False
-    if info["versioned"]:
-        major, minor = info["version"]
-        if major > MAX_VERSION[0]:
-            # The protocol: a consumer that cannot read the tensor frees it.
-            ext.release_capsule(cap)
-            raise BufferError(
-                f"the producer returned a DLPack {major}.{minor} tensor; "
-                f"jax_overlay reads up to {MAX_VERSION[0]}.x")
-        copied = bool(info["flags"] & ext.FLAG_IS_COPIED)
-        # READ_ONLY needs nothing: JAX never writes to an imported buffer,
-        # short of donating it (see the README).
-        cap = ext.versioned_to_legacy(cap)
+            dl_type, dl_id = device()
+            advertised = (int(dl_type), int(dl_id))
+        _check_type(advertised[0])
+        cap = _request(x, _producer_stream(*advertised), copy)
+    # One native call: BufferError for a consumed capsule or a newer major
+    # version; a versioned capsule comes back as a legacy one jaxlib reads.
+    # READ_ONLY needs nothing: JAX never writes to an imported buffer, short
+    # of donating it (see the README).
+    cap, view, cap_type, cap_id, flags = ext.plan_dlpack_import(cap)
+    copied = bool(flags & ext.FLAG_IS_COPIED)
     # Producers may advertise a type their capsule does not carry (PyTorch's
     # pinned tensors say kDLCUDAHost and ship kDLCPU): the advertised one is
     # where the memory is.
-    dl_type, dl_id = advertised or info["device"]
+    dl_type, dl_id = advertised or (cap_type, cap_id)
     _check_type(dl_type)
-    if info["numel"] == 0:
+    if view.numel == 0:
         ext.release_capsule(cap)
-        return _empty(info, dl_type, dl_id), copied
+        return _empty(view, dl_type, dl_id), copied
     if dl_type == KDLCPU:
         device, jax_type, alignment = rt.host_device(), KDLCPU, 1
     elif dl_type == KDLCUDAHOST:
         device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDAHOST, 1
     else:  # device or managed memory: both are device memory to JAX
         device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDA, 16
-    if info["layout"] != "strided" and info["data"] % alignment == 0:
+    if view.layout != "strided" and view.data % alignment == 0:
         # On the host jaxlib copies unaligned memory itself unless told not to.
-        jax_copy = False if copy is False and dl_type in (KDLCPU, KDLCUDAHOST) else None
+        jax_copy = False if copy is False and jax_type != KDLCUDA else None
         try:
             arr = rt.capsule_to_array(cap, device, None, jax_copy, jax_type)
         except Exception as e:  # jaxlib's runtime error type
@@ -111,17 +104,17 @@ def import_dlpack(x, *, copy=None, advertised=None):
         pinned_copy = jax_type == KDLCUDAHOST and not rt.PINNED_VIEW
         return arr, copied or pinned_copy
     out = _imports.copy_import(
-        cap, info["data"], info["shape"], info["strides"], info["typestr"],
-        info["itemsize"], info["low"], info["span"], info["layout"], alignment,
+        cap, view.data, view.shape, view.strides, view.typestr or None,
+        view.itemsize, view.low, view.span, view.layout, alignment,
         jax_type, dl_id if dl_type != KDLCPU else 0, device, 0, copy)
     return out, True
 
 
-def _empty(info, dl_type, dl_id):
+def _empty(view, dl_type, dl_id):
     import numpy as np
-    if info["typestr"] is None:
+    if not view.typestr:
         raise BufferError("a zero-size array of this dtype cannot be imported")
-    host = np.empty(info["shape"], np.dtype(info["typestr"]))
+    host = np.empty(view.shape, np.dtype(view.typestr))
     if dl_type == KDLCPU:
         return rt.device_put(host, rt.host_device())
     kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"

@@ -5,6 +5,7 @@
 
 #include "capsule.h"
 #include "dlpack_abi.h"
+#include "layout.h"
 
 namespace jxo {
 
@@ -69,6 +70,109 @@ bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
       PyErr_Clear();
       return Fail(err, ErrorKind::kBuffer, "could not allocate a capsule");
     }
+  }
+  return true;
+}
+
+bool DescribeTensor(const dl::Tensor& t, CaiSpec* out, Error* err) {
+  if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && !t.shape)) {
+    return Fail(err, ErrorKind::kBuffer,
+                "the DLPack tensor has ndim " + std::to_string(t.ndim) +
+                    "; 0 to 64 with a shape are accepted");
+  }
+  out->shape.assign(t.shape, t.shape + t.ndim);
+  out->strides.clear();
+  if (t.strides) out->strides.assign(t.strides, t.strides + t.ndim);
+  for (int64_t n : out->shape) {
+    if (n < 0) {
+      return Fail(err, ErrorKind::kBuffer,
+                  "the DLPack tensor has a negative dimension " +
+                      std::to_string(n));
+    }
+  }
+  const char* why = nullptr;
+  if (!AnalyzeLayout(out->shape, out->strides, &out->layout, &why)) {
+    return Fail(err, ErrorKind::kBuffer,
+                std::string("the DLPack tensor's ") + why);
+  }
+  out->version = 0;
+  out->data = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
+  out->dtype = t.dtype;
+  out->typestr = DtypeToTypestr(t.dtype);
+  out->itemsize = (t.dtype.bits * t.dtype.lanes + 7) / 8;
+  return true;
+}
+
+namespace {
+
+// The consumer's duty for a tensor it refuses: take it and run its deleter.
+bool Refuse(PyObject* capsule, Error* err, std::string message) {
+  TakenTensor taken = TakeTensor(capsule);
+  if (!taken.tensor) {
+    PyErr_Clear();
+  } else {
+    CallDeleter(taken);
+  }
+  return Fail(err, ErrorKind::kBuffer, std::move(message));
+}
+
+std::string PythonErrorText() {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  std::string text = "not a DLPack capsule";
+  if (value) {
+    PyObject* s = PyObject_Str(value);
+    if (s) {
+      const char* c = PyUnicode_AsUTF8(s);
+      if (c) text = c;
+      Py_DECREF(s);
+    }
+  }
+  PyErr_Clear();
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(tb);
+  return text;
+}
+
+}  // namespace
+
+bool PlanDlpackImport(PyObject* capsule, DlpackPlan* out, Error* err) {
+  CapsuleView cv;
+  if (!InspectCapsule(capsule, &cv)) {
+    bool type = PyErr_ExceptionMatches(PyExc_TypeError);
+    return Fail(err, type ? ErrorKind::kType : ErrorKind::kBuffer,
+                PythonErrorText());
+  }
+  out->versioned = cv.versioned;
+  out->major = cv.major;
+  out->minor = cv.minor;
+  out->flags = cv.flags;
+  if (cv.versioned && cv.major > dl::kMajorVersion) {
+    // The fields past the version may be laid out differently: read nothing.
+    return Refuse(capsule, err,
+                  "the producer returned a DLPack " + std::to_string(cv.major) +
+                      "." + std::to_string(cv.minor) +
+                      " tensor; jax_overlay reads up to " +
+                      std::to_string(dl::kMajorVersion) + ".x");
+  }
+  const dl::Tensor& t = *cv.tensor;
+  out->device_type = t.device.device_type;
+  out->device_id = t.device.device_id;
+  // A tensor that cannot be described stays unconsumed: its capsule's own
+  // destructor releases it.
+  if (!DescribeTensor(t, &out->view, err)) return false;
+  out->view.read_only = cv.flags & dl::kFlagReadOnly;
+  if (cv.versioned) {
+    // jaxlib reads legacy capsules only: the versioned tensor moves into a
+    // legacy one whose deleter chains to it (the input is renamed used_*).
+    out->capsule = VersionedToLegacyCapsule(capsule);
+    if (!out->capsule) {
+      return Fail(err, ErrorKind::kBuffer, PythonErrorText());
+    }
+  } else {
+    Py_INCREF(capsule);
+    out->capsule = capsule;
   }
   return true;
 }

@@ -39,6 +39,27 @@ PyObject* ViewCapsule(const CaiSpec& v, PyObject* owner, int device_type,
 bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
                    Error* err);
 
+// A DLPack tensor described the way the CAI path describes arrays (pointer
+// with byte_offset applied, shape, strides, dtype, layout), so both imports
+// share the view and copy code.  BufferError for what no consumer can read.
+bool DescribeTensor(const dl::Tensor& t, CaiSpec* out, Error* err);
+
+struct DlpackPlan {
+  CaiSpec view;
+  bool versioned = false;
+  uint32_t major = 0, minor = 0;
+  uint64_t flags = 0;              // versioned capsules only
+  int device_type = 0, device_id = 0;  // as the capsule says
+  PyObject* capsule = nullptr;     // new reference: a legacy capsule for jaxlib
+};
+
+// The native half of a DLPack import: inspects an unconsumed capsule from any
+// producer and hands back a legacy capsule jaxlib can read (a versioned one
+// is converted: renamed, deleter chained).  A tensor of a newer major
+// version, or one that cannot be described, is released (its deleter runs,
+// as the protocol asks of a consumer that refuses it) and refused.
+bool PlanDlpackImport(PyObject* capsule, DlpackPlan* out, Error* err);
+
 }  // namespace jxo
 
 #endif  // JAX_OVERLAY_XLA_EXT_IMPORT_PLAN_H_

@@ -170,6 +170,22 @@ PYBIND11_MODULE(_xla_ext, m) {
       "host memory (tests).");
 
   m.def(
+      "plan_dlpack_import",
+      [](py::handle capsule) {
+        DlpackPlan plan;
+        Error err;
+        if (!PlanDlpackImport(capsule.ptr(), &plan, &err)) Raise(err);
+        py::object legacy = py::reinterpret_steal<py::object>(plan.capsule);
+        return py::make_tuple(legacy, std::move(plan.view), plan.device_type,
+                              plan.device_id, plan.flags);
+      },
+      py::arg("capsule"),
+      "(legacy capsule, view, device_type, device_id, flags): inspect a "
+      "producer's capsule and make it one jaxlib reads.  BufferError for a "
+      "consumed capsule, a newer major version (released first) or a tensor "
+      "no consumer can read; flags are 0 for legacy capsules.");
+
+  m.def(
       "capsule_from_cai",
       [](const CaiSpec& s, py::handle owner, int device_type, int device_id,
          bool versioned, uint64_t flags) {
@@ -203,41 +219,26 @@ PYBIND11_MODULE(_xla_ext, m) {
         CapsuleView v;
         if (!InspectCapsule(capsule.ptr(), &v)) throw py::error_already_set();
         const dl::Tensor& t = *v.tensor;
-        if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && !t.shape)) {
-          throw py::buffer_error("the DLPack tensor has ndim " +
-                                 std::to_string(t.ndim) +
-                                 "; 0 to 64 with a shape are accepted");
-        }
-        std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
-        std::vector<int64_t> strides;
-        if (t.strides) strides.assign(t.strides, t.strides + t.ndim);
-        for (int64_t n : shape) {
-          if (n < 0) throw py::buffer_error("the DLPack tensor has a negative dimension");
-        }
-        Layout layout;
-        const char* why = nullptr;
-        if (!AnalyzeLayout(shape, strides, &layout, &why)) {
-          throw py::buffer_error(std::string("the DLPack tensor's ") + why);
-        }
+        CaiSpec d;
+        Error err;
+        if (!DescribeTensor(t, &d, &err)) Raise(err);
         py::object version = py::none();
         if (v.versioned) version = py::make_tuple(v.major, v.minor);
-        std::string typestr = DtypeToTypestr(t.dtype);
-        uintptr_t data = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
         py::dict out;
         out["versioned"] = v.versioned;
         out["version"] = version;
         out["flags"] = v.flags;
         out["device"] = py::make_tuple(t.device.device_type, t.device.device_id);
-        out["data"] = data;
-        out["shape"] = Tuple(shape);
-        out["strides"] = t.strides ? py::object(Tuple(strides)) : py::none();
+        out["data"] = d.data;
+        out["shape"] = Tuple(d.shape);
+        out["strides"] = t.strides ? py::object(Tuple(d.strides)) : py::none();
         out["dtype"] = py::make_tuple(t.dtype.code, t.dtype.bits, t.dtype.lanes);
-        out["typestr"] = typestr.empty() ? py::object(py::none()) : py::str(typestr);
-        out["itemsize"] = (t.dtype.bits * t.dtype.lanes + 7) / 8;
-        out["layout"] = LayoutName(layout.kind);
-        out["numel"] = layout.numel;
-        out["low"] = layout.low;
-        out["span"] = layout.span;
+        out["typestr"] = d.typestr.empty() ? py::object(py::none()) : py::str(d.typestr);
+        out["itemsize"] = d.itemsize;
+        out["layout"] = LayoutName(d.layout.kind);
+        out["numel"] = d.layout.numel;
+        out["low"] = d.layout.low;
+        out["span"] = d.layout.span;
         return out;
       },
       py::arg("capsule"),

@@ -169,3 +169,37 @@ def test_interpreter_exit_with_live_capsules_and_arrays():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_plan_dlpack_import_hands_jaxlib_a_legacy_capsule(versioned):
+    p = fresh((3, 4), np.int16)
+    a = p.__cuda_array_interface__
+    flags = ext.FLAG_IS_COPIED if versioned else 0
+    cap = ext.raw_capsule(p, a["data"][0], [3, 4], None, "<i2", 1, 0, versioned, flags)
+    legacy, view, dl_type, dl_id, got_flags = ext.plan_dlpack_import(cap)
+    assert ext.capsule_info(legacy)["versioned"] is False
+    assert (legacy is cap) is (not versioned)  # a legacy capsule is passed through
+    assert (view.shape, view.data, view.typestr, view.layout) == ((3, 4), a["data"][0], "<i2", "row_major")
+    assert (dl_type, dl_id, got_flags) == (1, 0, flags)
+    if versioned:
+        with pytest.raises(BufferError, match="already consumed"):
+            ext.capsule_info(cap)  # renamed: the legacy capsule owns the tensor now
+    del legacy
+
+
+def test_plan_dlpack_import_reports_strides_of_a_strided_tensor():
+    p = fresh((4, 6), np.float32)
+    cap = ext.raw_capsule(p, p.__cuda_array_interface__["data"][0], [2, 3], [12, 2], "<f4", 1, 0)
+    _, view, *_ = ext.plan_dlpack_import(cap)
+    assert (view.layout, view.strides, view.numel) == ("strided", (12, 2), 6)
+
+
+def test_plan_dlpack_import_errors():
+    with pytest.raises(TypeError, match="expected a DLPack capsule"):
+        ext.plan_dlpack_import(object())
+    p = fresh((2,))
+    cap = ext.raw_capsule(p, p.__cuda_array_interface__["data"][0], [2], None, "<f4", 1, 0)
+    ext.release_capsule(cap)
+    with pytest.raises(BufferError, match="already consumed"):
+        ext.plan_dlpack_import(cap)
