@@ -104,10 +104,16 @@ def _leaf(x):
 def _device_put(orig):
     @functools.wraps(orig)
     def device_put(x, *args, **kwargs):
-        if type(x) in _JAX_NATIVE and type(x) not in (list, tuple):
+        t = type(x)
+        if t in _JAX_NATIVE and t is not list and t is not tuple:
             return orig(x, *args, **kwargs)
         # Pytrees of foreign arrays too: each leaf becomes a zero-copy view,
-        # then JAX places the tree (an alias where it already is).
+        # then JAX places the tree (an alias where it already is).  A lone
+        # foreign array skips the tree walk.
+        if t is not list and t is not tuple and t is not dict:
+            view = _leaf(x)
+            if view is not x:
+                return orig(view, *args, **kwargs)
         return orig(jax.tree_util.tree_map(_leaf, x), *args, **kwargs)
     return device_put
 

@@ -2,6 +2,7 @@
 JAX's semantics, exact restore.  GPU producers are played by host memory
 whose device lookups are pointed at the CPU device."""
 
+import collections
 import gc
 import inspect
 import weakref
@@ -189,6 +190,10 @@ def test_device_put_of_foreign_arrays_is_zero_copy_then_jax_placement(installed,
     fresh = jax.device_put(Foreign(a), CPU, may_alias=False)
     assert fresh.unsafe_buffer_pointer() != a.ctypes.data
     np.testing.assert_array_equal(np.asarray(fresh), a)
+    # A registered pytree node (not a list, tuple or dict) is walked too.
+    pair = jax.device_put(collections.namedtuple("Pair", "u v")(Foreign(a), Foreign(b)), CPU)
+    assert pair.u.unsafe_buffer_pointer() == a.ctypes.data
+    assert pair.v.unsafe_buffer_pointer() == b.ctypes.data
 
 
 def test_device_put_keeps_jax_semantics_for_its_own_inputs(installed):
