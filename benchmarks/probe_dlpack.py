@@ -27,7 +27,7 @@ from jax_overlay import _runtime as rt  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
-from producers import JAX_N as N, jax_fill  # noqa: E402
+from producers import JAX_N as N, jax_fill, spin_fill  # noqa: E402
 
 
 def very_slow(k):
@@ -121,6 +121,53 @@ def main():
             stale += float(c.min()) != k
         x.block_until_ready()
     res["raw unordered reads stale (of 10)"] = stale
+
+    # Does any call block the host while the producer is busy, and after how
+    # many calls?  3000 calls behind a 1.5 s kernel on the producer's stream.
+    cs = cp.cuda.Stream(non_blocking=True)
+    ts = torch.cuda.Stream()
+    small_a = cp.zeros(256, cp.float32)
+    small_t = torch.zeros(256, device="cuda")
+    torch.cuda.synchronize()
+
+    def busy_cupy():
+        spin_fill(cp.empty(1, cp.float32), 0.0, ms=1500.0, stream=cs)
+        return cs, lambda: cs.done
+
+    def busy_torch():
+        with torch.cuda.stream(ts):
+            torch.cuda._sleep(3_000_000_000)
+        return ts, lambda: not ts.query()
+
+    scans = [
+        ("cupy __dlpack__(stream=compute)", busy_cupy, cs,
+         lambda: small_a.__dlpack__(stream=compute, max_version=(1, 1))),
+        ("jax_overlay.from_dlpack(cupy)", busy_cupy, cs, lambda: jax_overlay.from_dlpack(small_a)),
+        ("jax_overlay.from_cuda_array_interface(cupy)", busy_cupy, cs,
+         lambda: jax_overlay.from_cuda_array_interface(small_a)),
+        ("torch __dlpack__(stream=compute)", busy_torch, None,
+         lambda: small_t.__dlpack__(stream=compute, max_version=(1, 1))),
+        ("jax_overlay.from_dlpack(torch)", busy_torch, None, lambda: jax_overlay.from_dlpack(small_t)),
+    ]
+    for name, make_busy, cstream, call in scans:
+        keep, slow_calls = [], []
+        stream, _ = make_busy()
+        ctx = cstream if cstream is not None else torch.cuda.stream(ts)
+        t_all = time.perf_counter()
+        with ctx:
+            for i in range(3000):
+                t0 = time.perf_counter()
+                keep.append(call())
+                dt = time.perf_counter() - t0
+                if dt > 5e-3:
+                    slow_calls.append((i, round(dt * 1e3, 1)))
+        total = time.perf_counter() - t_all
+        busy_after = (not stream.done) if stream is cs else (not stream.query())
+        stream.synchronize()
+        res[f"inflight scan: {name}"] = {
+            "total ms": round(total * 1e3, 1), "producer busy after": busy_after,
+            "calls over 5 ms": slow_calls[:5]}
+        del keep
 
     # Costs of the import steps, idle producers.
     ptd = torch._C._cuda_getCurrentRawStream(0) if hasattr(torch._C, "_cuda_getCurrentRawStream") else None

@@ -123,3 +123,34 @@ def test_producer_memory_kept_until_jax_frees_it():
             break
         jax.effects_barrier()
     assert pool.used_bytes() == used - n * 4, "the block must return once JAX frees it"
+
+
+@pytest.mark.parametrize("producer", ["cupy", "torch"])
+def test_many_imports_while_producer_busy_never_block(producer):
+    """2000 imports behind a 1.5 s kernel on the producer's current stream:
+    the kernel is still running when the last import returns, so none
+    waited for it."""
+    if producer == "cupy":
+        s = cp.cuda.Stream(non_blocking=True)
+        arrays = [cp.zeros(256, cp.float32) for _ in range(8)]
+        cp.cuda.Device().synchronize()
+        spin_fill(cp.empty(1, cp.float32), 0.0, ms=1500.0, stream=s)
+        ctx, busy = s, lambda: not s.done
+    else:
+        torch = pytest.importorskip("torch")
+        s = torch.cuda.Stream()
+        arrays = [torch.zeros(256, device="cuda") for _ in range(8)]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(3_000_000_000)
+        ctx, busy = torch.cuda.stream(s), lambda: not s.query()
+    kept = []
+    with ctx:
+        for i in range(2000):
+            kept.append(jax_overlay.from_dlpack(arrays[i % 8]))
+            if i % 100 == 99:
+                del kept[:50]  # drop some while still in flight
+        still_busy = busy()
+    s.synchronize()
+    assert still_busy, "the producer ended before the imports did: an import waited for it"
+    assert float(jnp.sum(kept[-1])) == 0.0
