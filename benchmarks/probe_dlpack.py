@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jax_overlay  # noqa: E402
+from jax_overlay import _dlpack as D  # noqa: E402
 from jax_overlay import _exports as E  # noqa: E402
 from jax_overlay import _runtime as rt  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
@@ -139,7 +140,19 @@ def main():
             torch.cuda._sleep(3_000_000_000)
         return ts, lambda: not ts.query()
 
+    compute_ext = cp.cuda.ExternalStream(compute)
+
+    def cupy_style_sync(timing):
+        """What CuPy's __dlpack__ does per call: a new event on its current
+        stream, and a wait for it on the consumer's stream."""
+        ev = cp.cuda.Event(disable_timing=not timing)
+        ev.record(cs)
+        compute_ext.wait_event(ev)
+        return ev
+
     scans = [
+        ("cupy-style sync, events with timing", busy_cupy, cs, lambda: cupy_style_sync(True)),
+        ("cupy-style sync, events without timing", busy_cupy, cs, lambda: cupy_style_sync(False)),
         ("cupy __dlpack__(stream=compute)", busy_cupy, cs,
          lambda: small_a.__dlpack__(stream=compute, max_version=(1, 1))),
         ("jax_overlay.from_dlpack(cupy)", busy_cupy, cs, lambda: jax_overlay.from_dlpack(small_a)),
@@ -190,6 +203,10 @@ def main():
         ("versioned_to_legacy", ext.versioned_to_legacy, lambda: a.__dlpack__(stream=-1, max_version=(1, 1))),
         ("jaxlib import of legacy capsule", lambda c: rt.capsule_to_array(c, dev, None, None, 2),
          lambda: a.__dlpack__(stream=-1)),
+        ("_dlpack._request(cupy, compute)", lambda o: D._request(o, compute, None), lambda: a),
+        ("plan_dlpack_import(cupy v1 capsule)", ext.plan_dlpack_import,
+         lambda: a.__dlpack__(stream=-1, max_version=(1, 1))),
+        ("_dlpack.import_dlpack(cupy)", D.import_dlpack, lambda: a),
         ("jax_overlay.from_dlpack(cupy)", jax_overlay.from_dlpack, lambda: a),
         ("jax_overlay.from_dlpack(torch)", jax_overlay.from_dlpack, lambda: t),
         ("jax_overlay.from_cuda_array_interface(cupy)", jax_overlay.from_cuda_array_interface, lambda: a),

@@ -32,13 +32,24 @@ def _request(x, stream, copy):
     API (no max_version/copy keywords) raise TypeError and get the legacy
     call, as the protocol says.  Only copy=False is passed on: a copy is
     made on JAX's side (CuPy's __dlpack__ refuses copy=True on the GPU)."""
-    kwargs = {"stream": stream, "max_version": MAX_VERSION}
-    if copy is False:
-        kwargs["copy"] = False
     try:
-        return x.__dlpack__(**kwargs)
+        if copy is False:
+            return x.__dlpack__(stream=stream, max_version=MAX_VERSION, copy=False)
+        return x.__dlpack__(stream=stream, max_version=MAX_VERSION)
     except TypeError:
         return x.__dlpack__(stream=stream)
+
+
+_gpu_targets: dict[int, tuple] = {}
+
+
+def _gpu_target(dl_id):
+    """(JAX device, XLA's compute stream) of CUDA device `dl_id`, cached."""
+    target = _gpu_targets.get(dl_id)
+    if target is None:
+        device = rt.gpu_device(dl_id)
+        target = _gpu_targets[dl_id] = (device, rt.compute_stream(device))
+    return target
 
 
 def _producer_stream(dl_type, dl_id):
@@ -48,8 +59,8 @@ def _producer_stream(dl_type, dl_id):
     that wait, so the host never waits (see _runtime.compute_stream).
     Pinned and CPU producers get None: PyTorch's pinned tensors go through
     its CPU __dlpack__, which rejects a stream."""
-    if dl_type in (KDLCUDA, KDLCUDAMANAGED):
-        return rt.compute_stream(rt.gpu_device(dl_id))
+    if dl_type == KDLCUDA or dl_type == KDLCUDAMANAGED:
+        return _gpu_target(dl_id)[1]
     return None
 
 
@@ -84,12 +95,13 @@ def import_dlpack(x, *, copy=None, advertised=None):
     if view.numel == 0:
         ext.release_capsule(cap)
         return _empty(view, dl_type, dl_id), copied
-    if dl_type == KDLCPU:
-        device, jax_type, alignment = rt.host_device(), KDLCPU, 1
+    if dl_type == KDLCUDA or dl_type == KDLCUDAMANAGED:
+        # Device or managed memory: both are device memory to JAX.
+        device, jax_type, alignment = _gpu_target(dl_id)[0], KDLCUDA, 16
     elif dl_type == KDLCUDAHOST:
         device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDAHOST, 1
-    else:  # device or managed memory: both are device memory to JAX
-        device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDA, 16
+    else:
+        device, jax_type, alignment = rt.host_device(), KDLCPU, 1
     if view.layout != "strided" and view.data % alignment == 0:
         # On the host jaxlib copies unaligned memory itself unless told not to.
         jax_copy = False if copy is False and jax_type != KDLCUDA else None

@@ -15,6 +15,7 @@ import pytest
 
 import jax_overlay
 from jax_overlay import _exports as E
+from jax_overlay import _dlpack
 from jax_overlay import _runtime as rt
 from jax_overlay import _testing as T
 from jax_overlay import _xla_ext as ext
@@ -49,6 +50,7 @@ def gpu_on_host(monkeypatch):
     GPU path runs on host memory; the consumer stream is recorded."""
     monkeypatch.setattr(rt, "gpu_device", lambda ordinal: CPU)
     monkeypatch.setattr(rt, "compute_stream", lambda device: 12345)
+    monkeypatch.setattr(_dlpack, "_gpu_targets", {})  # no cached real devices either way
 
 
 def data(shape=(3, 4), dtype=np.float32):

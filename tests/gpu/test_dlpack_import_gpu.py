@@ -125,7 +125,18 @@ def test_producer_memory_kept_until_jax_frees_it():
     assert pool.used_bytes() == used - n * 4, "the block must return once JAX frees it"
 
 
-@pytest.mark.parametrize("producer", ["cupy", "torch"])
+# CuPy's own __dlpack__ blocks here: measured on the H200 (CuPy 14.2), its
+# 1022nd call with a consumer stream behind a busy stream waited on the host
+# until the producer was done, with jax_overlay out of the picture
+# (benchmarks/probe_dlpack.py, "inflight scan").  It syncs with a new event
+# per call, created with timing enabled; PyTorch's __dlpack__ and the CAI
+# path (events without timing) passed 3000 calls.  Strict: a CuPy that fixes
+# it turns this into a failure, and the README must then change.
+CUPY_BLOCKS = pytest.mark.xfail(
+    strict=True, reason="CuPy's __dlpack__ blocks the host after ~1021 pending syncs")
+
+
+@pytest.mark.parametrize("producer", [pytest.param("cupy", marks=CUPY_BLOCKS), "torch"])
 def test_many_imports_while_producer_busy_never_block(producer):
     """2000 imports behind a 1.5 s kernel on the producer's current stream:
     the kernel is still running when the last import returns, so none
