@@ -276,11 +276,11 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
       consumer holds it.  A pending array cannot get one without waiting, so
       donating it while exported is undefined.
     """
-    if type(x) is not rt.ArrayImpl:
-        _check(x)
-    _dl_check(x)
+    if type(x) is not rt.ArrayImpl or x.is_deleted():
+        _dl_check(x)  # the precise error; sharded arrays fail in dlpack_device
     dl_dtype = _dl_dtype(x.dtype)  # before any copy or reference is made
-    src_type, src_id = (int(v) for v in dlpack_device(x))
+    src_type, src_id = dlpack_device(x)
+    src_type, src_id = int(src_type), int(src_id)
     target = (src_type, src_id)
     copied = False
     if dl_device is not None and tuple(int(v) for v in dl_device) != target:
