@@ -108,19 +108,21 @@ def _cuda_ordinal(ptr):
 _no_driver = False
 
 
-def _order(x, ordinal, stream):
-    """Makes `stream` wait, on the GPU, for the array's pending computation.
+def _order(x, stream):
+    """Makes `stream` wait, on the GPU, for the array's pending computation,
+    through PJRT's own definition event (jaxlib's DLPack export with a
+    stream), and returns jaxlib's capsule, which holds PJRT's external
+    reference to the buffer.
 
-    JAX computations write their outputs on XLA's compute stream, so an
-    event there orders `stream` without the host waiting.  If that stream is
-    idle while the array is still pending, the pending work is elsewhere (a
-    host-to-device transfer): then jaxlib's DLPack export orders it, which on
-    jaxlib 0.11.2 may wait on the host until the array is defined."""
-    if ordinal is not None:
-        compute = rt.compute_stream(rt.gpu_device(ordinal))
-        if ext.order_after(ordinal, compute, stream) or x.is_ready():
-            return
-    rt.order_stream_after(x, stream)
+    The definition event covers the whole computation, however many kernels
+    it enqueues; an event recorded on XLA's compute stream right after
+    dispatch could cover only those already enqueued (JAX enqueues on its
+    own thread: the stream turned busy 10-20 us after dispatch returned, on
+    the H200).  The host waits only until JAX has enqueued the computation,
+    never for the GPU: jaxlib 0.11.2 returned 55-87 us after the dispatch of
+    a 137 ms computation that was still running afterwards
+    (benchmarks/probe_dlpack.py)."""
+    return rt.order_stream_after(x, stream)
 
 
 def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
@@ -158,7 +160,7 @@ def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
             "stream handle; 0 is ambiguous and not allowed")
     if config.cai_sync and (stream is not None or not x.is_ready()):
         out_stream = _LEGACY_STREAM if stream is None else stream
-        _order(x, ordinal, out_stream)
+        _order(x, out_stream)  # the dict cannot hold the reference: dropped
     return {
         "shape": x.shape,
         "typestr": typestr,
@@ -266,15 +268,16 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
       are immutable) and IS_COPIED when a copy was made; else a legacy one.
     * ``stream`` for GPU arrays: None = the legacy default stream, -1 = no
       ordering, 1 / 2 / a handle = that stream, which waits on the GPU for the
-      array's pending computation; the host never waits.  CPU consumers of a
-      pending array (a CPU array, or ``dl_device=(kDLCPU, 0)`` on a pinned
-      one) can only be served by waiting for it.
+      array's pending computation; the host never waits for the GPU (only,
+      for microseconds, until JAX has enqueued the computation).  CPU
+      consumers of a pending array (a CPU array, or ``dl_device=(kDLCPU, 0)``
+      on a pinned one) can only be served by waiting for it.
     * ``dl_device=(kDLCPU, 0)`` on a ``pinned_host`` array is a zero-copy CPU
       view; another device copies there (BufferError with ``copy=False``).
-    * The capsule holds the array, and for a ready array also jaxlib's
-      external reference, which makes XLA refuse to donate the buffer while a
-      consumer holds it.  A pending array cannot get one without waiting, so
-      donating it while exported is undefined.
+    * The capsule holds the array and jaxlib's external reference, which
+      makes XLA refuse to donate the buffer while a consumer holds it; only
+      a pending array exported with ``stream=-1`` has none (getting one would
+      mean waiting for it), so do not donate it while that export lives.
     """
     if type(x) is not rt.ArrayImpl or x.is_deleted():
         _dl_check(x)  # the precise error; sharded arrays fail in dlpack_device
@@ -313,17 +316,21 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
         if not ready:
             x.block_until_ready()  # a host reader has no stream to wait on
             ready = True
-    elif not ready and stream != -1:
-        ordinal = _cuda_ordinal(x.unsafe_buffer_pointer())
-        _order(x, ordinal, _LEGACY_STREAM if stream is None else stream)
+    # PJRT's external reference makes XLA refuse to donate the buffer while
+    # a consumer holds it; jaxlib's capsule carries it and drops it from its
+    # destructor (it is never consumed), so it lives exactly as long as ours.
+    if ready:
+        reference = rt.external_reference(x)
+    elif stream != -1:
+        reference = _order(x, _LEGACY_STREAM if stream is None else stream)
+    else:
+        reference = None  # unordered and pending: only a host wait could get one
     dtype = x.dtype
     strides = _strides(x, dtype.itemsize)
     if strides is not None:
         strides = [s // dtype.itemsize for s in strides]
-    # Lifetime: the array keeps its buffer; for a ready array jaxlib's own
-    # capsule (never consumed: its destructor drops the external reference
-    # when ours is freed) also makes PJRT refuse donation meanwhile.
-    owner = (x, rt.external_reference(x)) if ready else x
+    # Lifetime: the array keeps its buffer alive, the reference blocks donation.
+    owner = x if reference is None else (x, reference)
     versioned = max_version is not None and tuple(max_version) >= (1, 0)
     flags = ext.FLAG_READ_ONLY | (ext.FLAG_IS_COPIED if copied else 0)
     return ext.raw_capsule(owner, x.unsafe_buffer_pointer(), list(x.shape), strides,

@@ -118,12 +118,12 @@ def compute_stream(device) -> int:
     return s
 
 
-def order_stream_after(x, stream: int) -> None:
+def order_stream_after(x, stream: int):
     """Makes `stream` wait for the definition of `x` through jaxlib's DLPack
-    export (an event wait; on jaxlib 0.11.2 the host may first wait until
-    the array is defined).  The capsule it returns holds an external
-    reference, dropped here: the array keeps its buffer."""
-    _jax.buffer_to_dlpack_managed_tensor(x, stream=stream)
+    export (an event wait; the host waits only until the definition event
+    exists, i.e. until JAX has enqueued the computation).  Returns jaxlib's
+    capsule, unconsumed: it holds a PJRT external reference until freed."""
+    return _jax.buffer_to_dlpack_managed_tensor(x, stream=stream)
 
 
 def external_reference(x):

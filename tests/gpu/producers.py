@@ -73,3 +73,17 @@ def jax_fill(k, *, steps=300):
     The loop starts from an argument, not a constant, so XLA cannot fold it
     away: a producer that is done before its consumer reads proves nothing."""
     return _jax_busy(float(k), _seed(), steps)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _jax_many(k, seed, kernels):
+    v = seed
+    for _ in range(kernels):  # sorts do not fuse: one launch (or more) each
+        v = jnp.sort(v * 1.0001)
+    return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
+
+
+def jax_fill_many_kernels(k, *, kernels=40):
+    """Like jax_fill, but a chain of `kernels` separate kernel launches, so
+    an ordering that captures only the launches enqueued so far reads early."""
+    return _jax_many(float(k), _seed(), kernels)

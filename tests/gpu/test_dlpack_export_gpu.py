@@ -13,7 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 import jax_overlay  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
 
-from producers import jax_fill  # noqa: E402
+from producers import jax_fill, jax_fill_many_kernels  # noqa: E402
 
 TRIALS = 50
 GPU = jax.devices("cuda")[0]
@@ -27,10 +27,10 @@ def installed():
     jax_overlay.uninstall()
 
 
-def trials(read):
+def trials(read, produce=jax_fill):
     stale, pending = 0, 0
     for k in range(1, TRIALS + 1):
-        x = jax_fill(k)
+        x = produce(k)
         pending += not x.is_ready()
         lo, hi = read(x)
         stale += (lo, hi) != (k, k)
@@ -159,3 +159,39 @@ def test_device_copy_to_host_with_dl_device():
     np.testing.assert_array_equal(a, np.arange(8.0) + 1)
     with pytest.raises(BufferError, match="needs a copy"):
         x.__dlpack__(dl_device=(1, 0), copy=False)
+
+
+@pytest.mark.parametrize("consumer", ["torch", "cupy"])
+def test_multi_kernel_computation_is_read_whole(consumer):
+    """The export is ordered after the computation's definition event, not
+    after whatever part of it was enqueued when the export ran."""
+    jax_fill_many_kernels(0.0).block_until_ready()
+    if consumer == "torch":
+        torch = _torch()
+        s = torch.cuda.Stream()
+
+        def read(x):
+            with torch.cuda.stream(s):
+                t = torch.from_dlpack(x)
+                return t.min().item(), t.max().item()
+    else:
+        s = cp.cuda.Stream(non_blocking=True)
+
+        def read(x):
+            with s:
+                c = cp.from_dlpack(x)
+                return float(c.min()), float(c.max())
+    stale, pending = trials(read, jax_fill_many_kernels)
+    assert pending > TRIALS // 2, "the producer was not in flight: the test proves nothing"
+    assert stale == 0, f"{stale} of {TRIALS} reads were stale"
+
+
+def test_pending_export_blocks_donation_while_held():
+    torch = _torch()
+    x = jax_fill(4.0, steps=20000)
+    t = torch.from_dlpack(x)
+    pending = not x.is_ready()
+    jax.jit(lambda v: v + 1, donate_argnums=0)(x)
+    assert not x.is_deleted(), "a buffer a consumer holds must not be donated"
+    assert pending, "the array was ready before the export: the test proves nothing"
+    assert t.min().item() == 4.0
