@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -21,19 +20,12 @@ from jax import lax  # noqa: E402
 
 import jax_overlay  # noqa: E402
 
-REPEATS, ROUNDS = 500, 7
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_cai_import import REPEATS, ROUNDS, median_us as timed  # noqa: E402
 
 
 def median_us(fn, make_arg):
-    rounds = []
-    for _ in range(ROUNDS):
-        args = [make_arg() for _ in range(REPEATS)]
-        keep = []
-        t0 = time.perf_counter_ns()
-        for a in args:
-            keep.append(fn(a))
-        rounds.append((time.perf_counter_ns() - t0) / REPEATS / 1e3)
-    return round(statistics.median(rounds), 2)
+    return round(timed(fn, make_arg), 2)
 
 
 def main():

@@ -30,18 +30,25 @@ from producers import WithStream, spin_fill  # noqa: E402
 REPEATS, ROUNDS = 500, 7
 
 
-def median_us(fn, make_arg, repeats=REPEATS, rounds=ROUNDS, keep=None):
+def median_us(fn, make_arg, repeats=REPEATS, rounds=ROUNDS, keep=None,
+              before_round=None, after_round=None):
     """Median over `rounds` of the mean per-call time of `repeats` calls.
     Results go to `keep`, so none dies inside the timed region (or, for
-    in-flight runs, before the producer's kernel ends)."""
+    in-flight runs, before the producer's kernel ends).  `before_round` and
+    `after_round` run untimed around each round (start and drain a busy
+    producer)."""
     per_round = []
     keep = [] if keep is None else keep
     for _ in range(rounds):
+        if before_round:
+            before_round()
         args = [make_arg() for _ in range(repeats)]
         t0 = time.perf_counter_ns()
         for a in args:
             keep.append(fn(a))
         per_round.append((time.perf_counter_ns() - t0) / repeats / 1e3)
+        if after_round:
+            after_round()
     ROUND_MEANS.append([round(r, 2) for r in per_round])
     return statistics.median(per_round)
 

@@ -11,9 +11,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -27,7 +25,7 @@ import jax_overlay  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
-from bench_cai_import import REPEATS, ROUND_MEANS, ROUNDS, median_us  # noqa: E402
+from bench_cai_import import ROUND_MEANS, median_us  # noqa: E402
 from producers import spin_fill  # noqa: E402
 
 
@@ -80,20 +78,13 @@ def main():
         for _ in range(50):
             fn(make_arg())
         sync()
-        per_round, all_busy = [], True
-        for _ in range(ROUNDS):
-            start()
-            args = [make_arg() for _ in range(REPEATS)]
-            keep = []
-            t0 = time.perf_counter_ns()
-            for v in args:
-                keep.append(fn(v))
-            per_round.append((time.perf_counter_ns() - t0) / REPEATS / 1e3)
-            all_busy &= busy()
+        busy_after = []
+
+        def after():
+            busy_after.append(busy())
             sync()
-        ROUND_MEANS.append([round(r, 2) for r in per_round])
-        res[name] = round(statistics.median(per_round), 2)
-        res[name + " (producer busy after every round)"] = all_busy
+        res[name] = round(median_us(fn, make_arg, before_round=start, after_round=after), 2)
+        res[name + " (producer busy after every round)"] = all(busy_after)
 
     def cupy_busy():
         spin_fill(cp.empty(1, cp.float32), 0.0, ms=300.0, stream=busy_cp)

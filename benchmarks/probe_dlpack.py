@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -29,6 +28,8 @@ from jax_overlay import _xla_ext as ext  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
 from producers import JAX_N as N, jax_fill, spin_fill  # noqa: E402
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_cai_import import median_us  # noqa: E402
 
 
 def very_slow(k):
@@ -50,16 +51,8 @@ def ms_to_ready(fn, k):
     return round((time.perf_counter() - t0) * 1e3, 3)
 
 
-def us(fn, arg, n=300, rounds=5):
-    per = []
-    for _ in range(rounds):
-        args = [arg() for _ in range(n)]
-        keep = []
-        t0 = time.perf_counter_ns()
-        for a in args:
-            keep.append(fn(a))
-        per.append((time.perf_counter_ns() - t0) / n / 1e3)
-    return round(statistics.median(per), 2)
+def us(fn, arg):
+    return round(median_us(fn, arg, repeats=300, rounds=5), 2)
 
 
 def main():

@@ -17,7 +17,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import cupy as cp  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import jax_overlay  # noqa: E402
 
