@@ -9,29 +9,11 @@ import functools
 import cupy as cp
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-SPIN_SRC = r"""
-extern "C" __global__ void spin_fill(float* out, long long n, long long cycles, float value) {
-  long long start = clock64();
-  while (clock64() - start < cycles) { }
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)blockDim.x * gridDim.x) {
-    out[i] = value;
-  }
-}
-"""
-_spin = cp.RawKernel(SPIN_SRC, "spin_fill")
-CLOCK_HZ = 1.98e9  # H200 boost clock; only sizes the delay, never a result
-
-
-def spin_fill(arr, value, *, ms=1.0, stream=None):
-    """Enqueues on `stream`: wait about `ms` on the GPU, then arr[:] = value."""
-    n = arr.size
-    stream = stream or cp.cuda.get_current_stream()
-    with stream:
-        _spin((min(1024, (n + 255) // 256),), (256,),
-              (arr, cp.int64(n), cp.int64(int(ms * 1e-3 * CLOCK_HZ)), cp.float32(value)))
+# The kernel, the PyTorch sleep and the busy JAX computation live in the
+# package, which the doctor ships; the suite and the benchmarks share them.
+from jax_overlay._producers import (  # noqa: F401 - re-exported
+    CLOCK_HZ, JAX_N, SPIN_SRC, jax_fill, seed, spin_fill, torch_sleep)
 
 
 class WithStream:
@@ -53,31 +35,9 @@ STREAMS = {
 }
 
 
-JAX_N = 1 << 22
-
-
 @functools.partial(jax.jit, static_argnums=2)
-def _jax_busy(k, seed, steps):
-    v = lax.fori_loop(0, steps, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5, seed)
-    return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
-
-
-@functools.cache
-def _seed():
-    return jnp.ones(JAX_N, jnp.float32)
-
-
-def jax_fill(k, *, steps=300):
-    """A JAX array of JAX_N values exactly `k`, written after `steps` passes
-    over 16 MiB on XLA's compute stream (300: a few ms; 20000: a few hundred).
-    The loop starts from an argument, not a constant, so XLA cannot fold it
-    away: a producer that is done before its consumer reads proves nothing."""
-    return _jax_busy(float(k), _seed(), steps)
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _jax_many(k, seed, kernels):
-    v = seed
+def _jax_many(k, start, kernels):
+    v = start
     for _ in range(kernels):  # sorts do not fuse: one launch (or more) each
         v = jnp.sort(v * 1.0001)
     return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
@@ -86,4 +46,4 @@ def _jax_many(k, seed, kernels):
 def jax_fill_many_kernels(k, *, kernels=40):
     """Like jax_fill, but a chain of `kernels` separate kernel launches, so
     an ordering that captures only the launches enqueued so far reads early."""
-    return _jax_many(float(k), _seed(), kernels)
+    return _jax_many(float(k), seed(), kernels)

@@ -1,0 +1,77 @@
+"""Producers that are still busy when their array changes hands, for the
+doctor, the GPU tests and the benchmarks: a CuPy kernel that keeps a stream
+busy and then writes, PyTorch's sleep kernel, and a JAX computation that is
+still running after dispatch.  CuPy and PyTorch are imported on first use."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+SPIN_SRC = r"""
+extern "C" __global__ void spin_fill(float* out, long long n, long long cycles, float value) {
+  long long start = clock64();
+  while (clock64() - start < cycles) { }
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)blockDim.x * gridDim.x) {
+    out[i] = value;
+  }
+}
+"""
+CLOCK_HZ = 1.98e9  # H200 boost clock; only sizes the delay, never a result
+
+
+@functools.cache
+def _spin():
+    import cupy as cp
+    return cp.RawKernel(SPIN_SRC, "spin_fill")
+
+
+def cycles(ms):
+    """GPU clock cycles in about `ms` milliseconds."""
+    return int(ms * 1e-3 * CLOCK_HZ)
+
+
+def spin_fill(arr, value, *, ms=1.0, stream=None):
+    """Enqueues on `stream` (a CuPy stream; default the current one): wait
+    about `ms` on the GPU, then arr[:] = value.  `arr`: contiguous float32."""
+    import cupy as cp
+    n = arr.size
+    stream = stream or cp.cuda.get_current_stream()
+    with stream:
+        _spin()((min(1024, (n + 255) // 256),), (256,),
+                (arr, cp.int64(n), cp.int64(cycles(ms)), cp.float32(value)))
+
+
+def torch_sleep(ms, stream):
+    """Enqueues about `ms` of GPU sleep on a PyTorch stream."""
+    import torch
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles(ms))
+
+
+JAX_N = 1 << 22
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _jax_busy(k, seed, steps):
+    v = lax.fori_loop(0, steps, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5, seed)
+    return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
+
+
+@functools.cache
+def seed(n=JAX_N):
+    """Ones on the default device: the input of the busy computations."""
+    return jnp.ones(n, jnp.float32)
+
+
+def jax_fill(k, *, steps=300, n=JAX_N):
+    """A JAX array of `n` values exactly `k`, written after `steps` passes
+    over it on XLA's compute stream (n = 4 Mi, 300 steps: a few ms; 20000:
+    a few hundred).  The loop starts from an argument, not a constant, so XLA
+    cannot fold it away: a producer that is done before its consumer reads
+    proves nothing."""
+    return _jax_busy(float(k), seed(n), steps)
