@@ -7,11 +7,12 @@ from . import doctor
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m jax_overlay")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("doctor", help="versions, devices and a live round trip on each path")
-    d.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_arguments(sub.add_parser(
+        "doctor", help="versions, devices, and a live round trip on every path, stock JAX vs jax_overlay",
+        description=doctor.__doc__.split("\n\n")[0]))
     args = p.parse_args(argv)
     if args.command == "doctor":
-        return doctor.run(as_json=args.json)
+        return doctor.run(as_json=args.json, plain=args.plain, trials=args.trials, calls=args.calls)
     return 2
 
 

@@ -1,0 +1,266 @@
+"""The doctor's GPU rows: CuPy, PyTorch and Numba arrays into JAX, and JAX
+arrays out to them, over the CUDA Array Interface and DLPack, on device,
+pinned host and managed memory; an in-flight producer wherever the memory
+has a stream.  Peers are imported when a row is built, never before."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+
+import numpy as np
+
+from . import _runtime as rt
+from ._producers import jax_fill, spin_fill, torch_sleep
+from .doctor import PROTOCOLS, Case, Expect, NotApplicable, Row, Skip, need, need_gpu
+
+N = 1 << 16        # float32 elements of the doctor's arrays (256 KiB)
+TRIAL_MS = 1.0     # how long the producer stays busy in one in-flight trial
+PINNED_NO_STREAM = "pinned host memory, written by the host: no producer stream"
+MANAGED_BY_HOST = "managed memory written by the host here: no producer stream"
+TORCH_CAI = ("PyTorch exports CAI version 2, without a stream: no consumer can "
+             "order after its pending work (use DLPack)")
+SAFE = Expect(stream_safe=True)
+DLPACK = PROTOCOLS[1:]
+
+
+def _cupy():
+    need_gpu()
+    return need("cupy")
+
+
+def _torch():
+    need_gpu()
+    torch = need("torch")
+    if not torch.cuda.is_available():
+        raise Skip("torch has no CUDA here")
+    return torch
+
+
+def _numba():
+    need_gpu()
+    cuda = need("numba.cuda")
+    if not cuda.is_available():
+        raise Skip("numba has no CUDA here")
+    return cuda
+
+
+def _jax_ptr(x):
+    return x.unsafe_buffer_pointer()
+
+
+def _cai_ptr(a):
+    return a.__cuda_array_interface__["data"][0]
+
+
+@functools.cache
+def _minmax():
+    import jax
+    import jax.numpy as jnp
+    return jax.jit(lambda v: jnp.stack([jnp.min(v), jnp.max(v)]).astype(jnp.float32))
+
+
+def jax_minmax(x):
+    """(min, max) of a JAX array, computed on its device by JAX."""
+    lo, hi = np.asarray(_minmax()(x)).tolist()
+    return lo, hi
+
+
+# --- imports ------------------------------------------------------------------
+
+def _cupy_import(memory):
+    cp = _cupy()
+    pool = None
+    if memory == "managed":
+        pool = cp.cuda.MemoryPool(cp.cuda.malloc_managed)
+        with cp.cuda.using_allocator(pool.malloc):
+            base = cp.arange(N, dtype=cp.float32)
+    elif memory == "device, strided":
+        base = cp.arange(N, dtype=cp.float32).reshape(128, N // 128)
+    else:
+        base = cp.arange(N, dtype=cp.float32)
+    a = base[:, ::2] if memory == "device, strided" else base
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.runtime.deviceSynchronize()
+
+    def trial(k):
+        # CuPy's current stream is s during the call: its CAI exports s, and
+        # its __dlpack__ orders the consumer's stream after s.
+        spin_fill(base, float(k), ms=TRIAL_MS, stream=s)
+        return a, s, lambda: not s.done
+
+    return Case(source=a, source_ptr=a.data.ptr, expected=cp.asnumpy(a), result_ptr=_jax_ptr,
+                read=np.asarray, minmax=jax_minmax, trial=trial, sync=s.synchronize, keep=pool)
+
+
+def _torch_import(memory, cai=False):
+    torch = _torch()
+    if memory == "pinned":
+        t = torch.arange(N, dtype=torch.float32).pin_memory()
+        return Case(source=t, source_ptr=t.data_ptr(), expected=t.numpy().copy(),
+                    result_ptr=_jax_ptr, read=np.asarray, no_trial=PINNED_NO_STREAM)
+    t = torch.arange(N, dtype=torch.float32, device="cuda")
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+
+    def trial(k):
+        torch_sleep(TRIAL_MS, s)
+        with torch.cuda.stream(s):
+            t.fill_(float(k))
+        return t, torch.cuda.stream(s), lambda: not s.query()
+
+    return Case(source=t, source_ptr=t.data_ptr(), expected=t.cpu().numpy(), result_ptr=_jax_ptr,
+                read=np.asarray, minmax=jax_minmax, trial=trial, sync=s.synchronize,
+                note=TORCH_CAI if cai else None)
+
+
+def _numba_import(memory, protocol="CAI"):
+    cuda = _numba()
+    host = np.arange(N, dtype=np.float32)
+    if memory in ("pinned", "managed"):
+        m = (cuda.mapped_array if memory == "pinned" else cuda.managed_array)(N, np.float32)
+        m[:] = host
+        cuda.synchronize()
+        return Case(source=m, source_ptr=_cai_ptr(m), expected=host, result_ptr=_jax_ptr,
+                    read=np.asarray,
+                    no_trial=PINNED_NO_STREAM if memory == "pinned" else MANAGED_BY_HOST)
+    d = cuda.to_device(host)
+    cuda.synchronize()
+    if protocol != "CAI" and not hasattr(d, "__dlpack__"):
+        raise NotApplicable("Numba's device arrays have no __dlpack__")
+    case = Case(source=d, source_ptr=_cai_ptr(d), expected=host, result_ptr=_jax_ptr,
+                read=np.asarray, minmax=jax_minmax)
+    # In flight: an array bound to a Numba stream (its CAI exports that
+    # stream), written there by CuPy's kernel: this numba-cuda may be unable
+    # to compile kernels of its own.
+    try:
+        cp = importlib.import_module("cupy")
+    except Exception:  # noqa: BLE001
+        case.no_trial = "the in-flight test needs CuPy for the producer kernel"
+        return case
+    s = cuda.stream()
+    busy = cuda.device_array(N, np.float32, stream=s)
+    handle = busy.__cuda_array_interface__.get("stream")
+    if not handle:
+        case.no_trial = "this Numba exports no stream for an array bound to a stream"
+        return case
+    alias = cp.asarray(busy)
+    on_s = cp.cuda.ExternalStream(handle)
+
+    def trial(k):
+        spin_fill(alias, float(k), ms=TRIAL_MS, stream=on_s)
+        return busy, contextlib.nullcontext(), lambda: not on_s.done
+
+    case.trial, case.sync, case.keep = trial, on_s.synchronize, (s, alias)
+    return case
+
+
+# --- exports ------------------------------------------------------------------
+
+def _cupy_consumer(protocol):
+    cp = _cupy()
+    return (cp.asarray if protocol == "CAI" else cp.from_dlpack, lambda c: c.data.ptr,
+            cp.asnumpy, lambda c: (float(c.min()), float(c.max())))
+
+
+def _torch_consumer(protocol):
+    torch = _torch()
+    convert = (lambda o: torch.as_tensor(o, device="cuda")) if protocol == "CAI" else torch.from_dlpack
+    return (convert, lambda t: t.data_ptr(), lambda t: t.cpu().numpy(),
+            lambda t: (t.min().item(), t.max().item()))
+
+
+def _numba_consumer(protocol):
+    cuda = _numba()
+    convert = cuda.as_cuda_array if protocol == "CAI" else getattr(cuda, "from_dlpack", None)
+    if convert is None:
+        raise NotApplicable("numba.cuda has no from_dlpack")
+
+    def minmax(d):
+        h = d.copy_to_host()
+        return float(h.min()), float(h.max())
+
+    return convert, _cai_ptr, lambda d: d.copy_to_host(), minmax
+
+
+def _numpy_consumer(protocol):
+    return (lambda o: np.from_dlpack(o, device="cpu"), lambda a: a.ctypes.data, np.asarray, None)
+
+
+def _jax_trial(k):
+    x = jax_fill(k)
+    return x, contextlib.nullcontext(), lambda: not x.is_ready()
+
+
+def _export(consumer, protocol, memory):
+    def build():
+        import jax
+        need_gpu()
+        convert, result_ptr, read, minmax = consumer(protocol)
+        host = np.arange(N, dtype=np.float32)
+        kind = "pinned_host" if memory == "pinned" else "device"
+        x = jax.device_put(host, rt.memory_sharding(jax.devices("cuda")[0], kind))
+        x.block_until_ready()
+        case = Case(source=x, source_ptr=x.unsafe_buffer_pointer(), expected=host,
+                    convert=convert, result_ptr=result_ptr, read=read, minmax=minmax)
+        if memory == "pinned":
+            case.no_trial = PINNED_NO_STREAM
+        else:
+            jax_fill(0.0).block_until_ready()  # compiled before the trials
+            case.trial = _jax_trial
+        return case
+    return build
+
+
+# --- the rows -------------------------------------------------------------------
+
+def _import_call(protocol):
+    return "jnp.asarray(a)" if protocol == "CAI" else "jax.dlpack.from_dlpack(a)"
+
+
+EXPORT_CALLS = {
+    ("CuPy", "CAI"): "cupy.asarray(x)", ("CuPy", "DLPack"): "cupy.from_dlpack(x)",
+    ("PyTorch", "CAI"): 'torch.as_tensor(x, device="cuda")',
+    ("PyTorch", "DLPack"): "torch.from_dlpack(x)",
+    ("Numba", "CAI"): "numba.cuda.as_cuda_array(x)", ("Numba", "DLPack"): "numba.cuda.from_dlpack(x)",
+    ("NumPy", "DLPack"): 'np.from_dlpack(x, device="cpu")',
+}
+CONSUMERS = {"CuPy": _cupy_consumer, "PyTorch": _torch_consumer, "Numba": _numba_consumer,
+             "NumPy": _numpy_consumer}
+
+
+def _export_row(peer, protocol, memory, expect):
+    call = EXPORT_CALLS[(peer, "CAI" if protocol == "CAI" else "DLPack")]
+    return Row("export", peer, protocol, memory, call, _export(CONSUMERS[peer], protocol, memory),
+               expect)
+
+
+def rows():
+    P = functools.partial
+    pinned = Expect(zero_copy=rt.PINNED_VIEW)  # jaxlib < 0.10.2 copies pinned memory
+    out = [Row("import", "CuPy", p, "device", _import_call(p), P(_cupy_import, "device"), SAFE)
+           for p in PROTOCOLS]
+    for memory, expect in (("device, strided", Expect(zero_copy=False, stream_safe=True)),
+                           ("managed", SAFE)):
+        out += [Row("import", "CuPy", p, memory, _import_call(p), P(_cupy_import, memory), expect)
+                for p in ("CAI", "DLPack 1.x")]
+    out += [Row("import", "PyTorch", p, "device", _import_call(p),
+                P(_torch_import, "device", cai=p == "CAI"), Expect() if p == "CAI" else SAFE)
+            for p in PROTOCOLS]
+    out += [Row("import", "PyTorch", p, "pinned", _import_call(p), P(_torch_import, "pinned"), pinned)
+            for p in DLPACK]
+    out += [Row("import", "Numba", "CAI", "device", _import_call("CAI"), P(_numba_import, "device"), SAFE),
+            Row("import", "Numba", "DLPack 1.x", "device", _import_call("DLPack 1.x"),
+                P(_numba_import, "device", "DLPack 1.x"), None),
+            Row("import", "Numba", "CAI", "pinned", _import_call("CAI"), P(_numba_import, "pinned"), pinned),
+            Row("import", "Numba", "CAI", "managed", _import_call("CAI"), P(_numba_import, "managed"),
+                Expect())]
+    out += [_export_row("CuPy", p, "device", SAFE) for p in PROTOCOLS]
+    out += [_export_row("PyTorch", p, "device", SAFE) for p in PROTOCOLS]
+    out += [_export_row("Numba", "CAI", "device", SAFE),
+            _export_row("Numba", "DLPack 1.x", "device", None),
+            _export_row("NumPy", "DLPack 1.x", "pinned", Expect()),
+            _export_row("CuPy", "CAI", "pinned", Expect()),
+            _export_row("PyTorch", "DLPack 1.x", "pinned", None)]
+    return out
