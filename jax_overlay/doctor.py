@@ -67,6 +67,7 @@ import json
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable
@@ -235,25 +236,33 @@ def _convert(row, case):
 
 # --- measuring one side -------------------------------------------------------
 
-def _describe(e):
+def describe(e):
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     text = text if len(text) <= 160 else text[:157] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def timed_calls(fn, args):
+    """fn(a) for each a in `args`, each call timed on its own: (results,
+    durations in ns).  Results stay alive, so none is freed inside a timed
+    call."""
+    results, durations = [], []
+    clock = time.perf_counter_ns
+    for a in args:
+        t0 = clock()
+        r = fn(a)
+        t1 = clock()
+        results.append(r)
+        durations.append(t1 - t0)
+    return results, durations
+
+
 def latency_us(fn, arg, calls):
     """Median duration of `calls` single calls fn(arg) after a warm-up, in
-    microseconds; results stay alive until the end, so none is freed inside
-    a timed call."""
+    microseconds."""
     for _ in range(max(5, calls // 10)):
         fn(arg)
-    keep, durations = [], []
-    clock = time.perf_counter_ns
-    for _ in range(calls):
-        t0 = clock()
-        result = fn(arg)
-        durations.append(clock() - t0)
-        keep.append(result)
+    _, durations = timed_calls(fn, [arg] * calls)
     return round(statistics.median(durations) / 1e3, 2)
 
 
@@ -274,12 +283,12 @@ def _in_flight(row, case, convert, n):
             done += 1
             del result
     except Exception as e:  # noqa: BLE001 - a failing trial is a finding
-        error = f"in flight: {_describe(e)}"
+        error = f"in flight: {describe(e)}"
     finally:
         try:
             case.sync()
         except Exception as e:  # noqa: BLE001
-            error = error or f"waiting for the producer: {_describe(e)}"
+            error = error or f"waiting for the producer: {describe(e)}"
     trials = {"n": done, "stale": stale, "in_flight": in_flight}
     if error:
         return False, None, trials, error
@@ -296,7 +305,7 @@ def _side(row, case, trials, calls):
         result = convert(view)
         values = np.asarray(case.read(result))
     except Exception as e:  # noqa: BLE001 - the doctor reports, never raises
-        side["works"], side["error"] = False, _describe(e)
+        side["works"], side["error"] = False, describe(e)
         # Imports: the peer's own __dlpack__ raised.  Exports: the consumer
         # never retried a legacy producer's call.
         refused = (getattr(view, "producer_error", None) is not None if row.direction == "import"
@@ -321,7 +330,7 @@ def _side(row, case, trials, calls):
         arg = case.source if row.protocol == "DLPack 1.x" else _view(row, case.source, record=False)
         side["latency_us"] = latency_us(convert, arg, calls)
     except Exception as e:  # noqa: BLE001
-        side["error"] = side["error"] or f"timing: {_describe(e)}"
+        side["error"] = side["error"] or f"timing: {describe(e)}"
     return side, False
 
 
@@ -366,7 +375,7 @@ def evaluate(row, n, trials, calls):
         rec["status"], rec["reason"] = "n/a", str(e)
         return rec
     except Exception as e:  # noqa: BLE001 - a row that cannot be set up is reported
-        rec["status"], rec["reason"] = "ERROR", f"setting up the row: {_describe(e)}"
+        rec["status"], rec["reason"] = "ERROR", f"setting up the row: {describe(e)}"
         return rec
     finally:
         _install.uninstall()
@@ -414,9 +423,9 @@ def need(module):
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] == top:
             raise Skip(f"{top} not installed") from None
-        raise Skip(f"{top} not usable: {_describe(e)}") from None
+        raise Skip(f"{top} not usable: {describe(e)}") from None
     except Exception as e:  # noqa: BLE001
-        raise Skip(f"{top} not usable: {_describe(e)}") from None
+        raise Skip(f"{top} not usable: {describe(e)}") from None
 
 
 def _distributions():
@@ -430,12 +439,20 @@ def _distributions():
     return out
 
 
-def _nvidia_driver():
+def nvidia_driver():
+    """The NVIDIA kernel driver's version, or None."""
     try:
         with open("/proc/driver/nvidia/version") as f:
             m = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d[\w.]*)", f.read())
-        return m.group(1) if m else None
+        if m:
+            return m.group(1)
     except OSError:
+        pass
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        return p.stdout.split()[0] if p.returncode == 0 and p.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
         return None
 
 
@@ -470,7 +487,7 @@ def environment():
         "torch": version("torch"),
         "numba": version("numba"),
         "libcuda": None, "cuda_driver_api": None,
-        "nvidia_driver": _nvidia_driver(),
+        "nvidia_driver": nvidia_driver(),
         "devices": [],
         "gpu": gpu_skip_reason(),
         "jax_overlay_installed": _install.installed(),
@@ -502,7 +519,7 @@ def _cpu_device():
     try:
         return jax.devices("cpu")[0]
     except RuntimeError as e:
-        raise Skip(f"JAX has no CPU backend here ({_describe(e)})") from None
+        raise Skip(f"JAX has no CPU backend here ({describe(e)})") from None
 
 
 def _numpy_source(memory):

@@ -1,4 +1,3 @@
-import functools
 import os
 import pathlib
 
@@ -11,20 +10,11 @@ GPU_DIR = pathlib.Path(__file__).parent / "gpu"
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-@functools.cache
 def gpu_skip_reason():
-    """None when a CUDA GPU is usable from JAX, else why not."""
-    try:
-        from jax_overlay import _xla_ext
-        _xla_ext.load_driver()
-    except BufferError as e:
-        return f"no GPU: {e}"
-    try:
-        import jax
-        jax.devices("cuda")
-    except Exception as e:  # noqa: BLE001 - any failure means no GPU backend
-        return f"no GPU: JAX has no CUDA backend ({e})"
-    return None
+    """None when a CUDA GPU is usable from JAX, else why not (the doctor's
+    own test, which also decides whether its GPU rows run)."""
+    from jax_overlay.doctor import gpu_skip_reason as reason
+    return reason()
 
 
 def pytest_collection_modifyitems(config, items):
