@@ -33,6 +33,7 @@ STRIDED, COPY_TRUE, PINNED = ("strided import a[:, ::2]", "copy=True import",
                               "pinned -> device (jax.device_put)")
 # name -> the reference it is compared with
 COPY_REFERENCE = {STRIDED: D2D, COPY_TRUE: D2D, PINNED: H2D}
+SHORT = {D2D: "D2D memcpy", H2D: "H2D memcpy"}
 TARGETS = {"import_idle_us": 15.0, "import_inflight_us": 32.0, "export_property_us": 4.0,
            "strided_fraction": 0.5, "flat_ratio": 1.5}
 EXPORT_PROPERTY = "x.__cuda_array_interface__"
@@ -74,6 +75,13 @@ def us(v):
     if v is None:
         return "—"
     return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def duration(v):
+    """Microseconds, as milliseconds once they are that long."""
+    if v is None:
+        return "—"
+    return f"{us(v)} µs" if v < 1000 else f"{v / 1e3:.1f} ms"
 
 
 def ratio(a, b):
@@ -133,7 +141,7 @@ def inflight_table(results):
         blocked = _blocked(e)
         lines.append(
             f"| {e['who']} {_code(e['call'])} ({e['producer']}) | {us(e['idle_us'])} | "
-            f"{us(e['inflight_us'])} | {us(p.get('max_call_us'))} µs, producer busy for {p.get('kernel_ms')} ms | "
+            f"{us(e['inflight_us'])} | {duration(p.get('max_call_us'))}, producer busy for {p.get('kernel_ms')} ms | "
             f"{'yes' if p.get('producer_busy_after') else 'no'} | {'**yes**' if blocked else 'no'} |")
     return "\n".join(lines)
 
@@ -182,8 +190,7 @@ def copy_table(results):
             v = s["copy_gbps"][n][i]
             ref = COPY_REFERENCE.get(n)
             r = s["copy_gbps"].get(ref, [None] * (i + 1))[i] if ref else None
-            cells.append("—" if v is None else f"{v:.1f}" + (f" ({v / r:.0%} of {ref.split(' (')[0]})"
-                                                            if r else ""))
+            cells.append("—" if v is None else f"{v:.1f}" + (f" ({v / r:.0%} of {SHORT[ref]})" if r else ""))
         lines.append(f"| {_sizes_label(b)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -235,7 +242,7 @@ def targets(results):
         if e["who"] in ("jax_overlay", "jax_overlay installed") and not e.get("error"):
             p = e["probe"]
             out.append((f"never blocks the host: {_code(e['call'])} ({e['producer']})",
-                        f"longest call {us(p['max_call_us'])} µs, producer busy for {p['kernel_ms']} ms, "
+                        f"longest call {duration(p['max_call_us'])}, producer busy for {p['kernel_ms']} ms, "
                         f"producer {'still busy' if p['producer_busy_after'] else 'done'} after",
                         not _blocked(e)))
     s = results.get("sizes") or {}
@@ -291,11 +298,13 @@ def markdown(results, flavour="full", chart=None):
         parts += ["**Zero-copy latency by size** (µs per call)", zero_copy_table(results)]
     parts += ["**Copies** (GB/s of data delivered, synchronised, same run)", copy_table(results)]
     if flavour == "full":
-        parts += ["**Floors** (µs per call of each piece on its own)", floors_table(results),
-                  "**Where an import's time goes**", breakdown_table(results)]
-    else:
-        parts.append("Floor analysis (what jaxlib itself costs per call, what is ours, what the "
-                     "peers cost): [docs/PERFORMANCE.md](docs/PERFORMANCE.md).")
+        parts += ["**Floors** (µs per call of each piece on its own)", floors_table(results)]
+    parts += ["**Where an import's time goes** (the producer's protocol method, jax_overlay's "
+              "native part and jaxlib's own DLPack import, each timed on its own; the rest is "
+              "Python)", breakdown_table(results)]
+    if flavour != "full":
+        parts.append("What each part is, and why jaxlib's import is the floor: "
+                     "[docs/PERFORMANCE.md](docs/PERFORMANCE.md).")
     return "\n\n".join(parts) + "\n"
 
 

@@ -106,8 +106,8 @@ def test_targets_come_from_the_data():
 def test_copy_table_compares_with_its_memcpy():
     table = report.copy_table(results())
     last = table.splitlines()[-1]
-    assert "1200.0 (60% of device-to-device memcpy)" in last
-    assert "50.0 (91% of host-to-device memcpy)" in last
+    assert "1200.0 (60% of D2D memcpy)" in last
+    assert "50.0 (91% of H2D memcpy)" in last
 
 
 def test_breakdown_leaves_the_glue_as_the_rest():
