@@ -160,8 +160,10 @@ def _numba_import(memory, protocol="CAI"):
 
 def _cupy_consumer(protocol):
     cp = _cupy()
+    # Values are read by a CuPy kernel first, as CuPy code reads a view
+    # (of device or pinned memory), then copied from device memory.
     return (cp.asarray if protocol == "CAI" else cp.from_dlpack, lambda c: c.data.ptr,
-            cp.asnumpy, lambda c: (float(c.min()), float(c.max())))
+            lambda c: cp.asnumpy(c + 0), lambda c: (float(c.min()), float(c.max())))
 
 
 def _torch_consumer(protocol):
