@@ -12,7 +12,8 @@ def main(argv=None):
         description=doctor.__doc__.split("\n\n")[0]))
     args = p.parse_args(argv)
     if args.command == "doctor":
-        return doctor.run(as_json=args.json, plain=args.plain, trials=args.trials, calls=args.calls)
+        return doctor.run(as_json=args.json, plain=args.plain, trials=args.trials, calls=args.calls,
+                          json_file=args.json_file)
     return 2
 
 

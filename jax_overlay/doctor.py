@@ -702,8 +702,9 @@ def render_rich(report, out):
     console.print(summary(report), markup=False, highlight=False)
 
 
-def run(*, as_json=False, plain=False, trials=20, calls=200, out=None, rows=None):
-    """Measures every row; writes the report; returns the exit status."""
+def run(*, as_json=False, plain=False, trials=20, calls=200, out=None, rows=None, json_file=None):
+    """Measures every row; writes the report (and the JSON report to
+    `json_file` too, if given); returns the exit status."""
     out = sys.stdout if out is None else out
     from . import _install
     was_installed = _install.installed()
@@ -718,6 +719,10 @@ def run(*, as_json=False, plain=False, trials=20, calls=200, out=None, rows=None
             _install.uninstall()
     code = 1 if any(r["status"] in FAILING for r in records) else 0
     report = {"schema": SCHEMA, "environment": env, "rows": records, "exit_code": code}
+    if json_file:
+        with open(json_file, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
     if as_json:
         json.dump(report, out, indent=2)
         out.write("\n")
@@ -735,6 +740,7 @@ def _has_rich():
 def add_arguments(p):
     p.add_argument("--json", action="store_true",
                    help=f"print one JSON object (schema {SCHEMA}; see jax_overlay/doctor.py)")
+    p.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH")
     p.add_argument("--plain", action="store_true", help="plain text even where rich is installed")
     p.add_argument("--trials", type=int, default=20, metavar="N",
                    help="in-flight trials per row and side (default 20)")
@@ -747,4 +753,5 @@ def main(argv=None, out=None):
     """`python -m jax_overlay doctor [--json] [--plain] [--trials N] [--calls N]`;
     returns the exit status."""
     args = add_arguments(argparse.ArgumentParser(prog="python -m jax_overlay doctor")).parse_args(argv)
-    return run(as_json=args.json, plain=args.plain, trials=args.trials, calls=args.calls, out=out)
+    return run(as_json=args.json, plain=args.plain, trials=args.trials, calls=args.calls, out=out,
+               json_file=args.json_file)

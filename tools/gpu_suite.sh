@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the core from source, run the whole pytest
 # suite (tests/gpu needs CuPy; PyTorch and Numba where installed), then the
-# named benchmarks.  Logs and JSON go to $OUT (default ./gpu-out).
+# doctor (DOCTOR=0 skips it), then the named benchmarks.  Logs and JSON go to
+# $OUT (default ./gpu-out).
 #   bash tools/gpu_suite.sh [TESTS...] [-- BENCH.py ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,12 @@ rc=0
 timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -q -rs -p no:cacheprovider --durations=12 \
   "${tests[@]}" 2>&1 | tee "$OUT/pytest.log" | tail -n 60
 rc=${PIPESTATUS[0]}
+if [ "${DOCTOR:-1}" != 0 ]; then  # the README's main command, on this machine
+  echo "== doctor"
+  timeout "${DOCTOR_TIMEOUT:-300}" "$PY" -m jax_overlay doctor --plain --json-file "$OUT/doctor.json" \
+    2>"$OUT/doctor.err" | tee "$OUT/doctor.txt"
+  echo "doctor exit status ${PIPESTATUS[0]}"
+fi
 for b in "${benches[@]}"; do
   name=$(basename "$b" .py)
   echo "== $name"

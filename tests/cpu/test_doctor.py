@@ -35,10 +35,13 @@ def plain():
 
 
 @pytest.fixture(scope="module")
-def report():
-    p = _doctor_cli("--json")
+def report(tmp_path_factory):
+    saved = tmp_path_factory.mktemp("doctor") / "report.json"
+    p = _doctor_cli("--json", "--json-file", str(saved))
     assert p.returncode == 0, p.stdout + p.stderr
-    return json.loads(p.stdout)
+    printed = json.loads(p.stdout)
+    assert json.loads(saved.read_text())["rows"] == printed["rows"]
+    return printed
 
 
 def test_cli_runs_and_exits_zero(plain):
