@@ -80,7 +80,15 @@ def import_dlpack(x, *, copy=None, advertised=None):
             dl_type, dl_id = device()
             advertised = (int(dl_type), int(dl_id))
         _check_type(advertised[0])
-        cap = _request(x, _producer_stream(*advertised), copy)
+        stream = _producer_stream(*advertised)
+        if stream is None:
+            cap = _request(x, None, copy)
+        else:
+            # The producer's device is made current for the call: PyTorch's
+            # and CuPy's __dlpack__ order the consumer stream after the
+            # *current device's* current stream, so a caller with another
+            # device current would get an order after the wrong device's work.
+            cap = ext.call_on_device(advertised[1], _request, x, stream, copy)
     # One native call: BufferError for a consumed capsule or a newer major
     # version; a versioned capsule comes back as a legacy one jaxlib reads.
     # READ_ONLY needs nothing: JAX never writes to an imported buffer, short
