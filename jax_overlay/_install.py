@@ -35,7 +35,6 @@ _saved: dict[tuple[object, str], object] = {}
 # the common calls (NumPy arrays, scalars, lists) pay one set lookup.
 _JAX_NATIVE = frozenset({rt.ArrayImpl, np.ndarray, int, float, complex, bool,
                          list, tuple, type(None)})
-_GPU_TYPES = frozenset({_dlpack.KDLCUDA, _dlpack.KDLCUDAHOST, _dlpack.KDLCUDAMANAGED})
 
 
 def _foreign(obj, copy):
@@ -45,17 +44,8 @@ def _foreign(obj, copy):
     t = type(obj)
     if t in _JAX_NATIVE or isinstance(obj, np.generic) or hasattr(obj, "__jax_array__"):
         return None
-    dlpack_device = getattr(obj, "__dlpack_device__", None)
-    if dlpack_device is not None and hasattr(obj, "__dlpack__"):
-        dl_type, dl_id = dlpack_device()
-        if int(dl_type) in _GPU_TYPES:
-            return _dlpack.import_dlpack(obj, copy=copy, advertised=(int(dl_type), int(dl_id)))
-        if int(dl_type) == _dlpack.KDLCPU:
-            return None  # JAX's own host path, even if it also has a CAI
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is None:
-        return None
-    return _imports.import_cai(obj, cai, copy=copy)
+    # No host device: host arrays keep JAX's own path (see the module doc).
+    return _dlpack.import_foreign(obj, copy)
 
 
 def _asarray(orig):
