@@ -39,12 +39,19 @@ def _order(view, ordinal, device):
 
 
 def _empty(view, host):
-    kind = "device"
+    kind, dev = "device", None
     if host:
-        dev = jax.devices("cpu")[0]
-    else:
-        if view.data and ext.pointer_info(view.data)[0] == "pinned_host":
-            kind = "pinned_host"
+        dev = rt.host_device()
+    elif view.data:
+        # A zero-size slice still points into its allocation: the GPU that
+        # owns it, not the current or the first one.
+        mem, ordinal = ext.pointer_info(view.data)[:2]
+        if mem != "not_cuda":
+            dev = rt.gpu_device(ordinal)
+            kind = "pinned_host" if mem == "pinned_host" else "device"
+    if dev is None:
+        # A null pointer (CuPy's and PyTorch's zero-size arrays) belongs to
+        # no device: JAX's first GPU; device= places it elsewhere.
         dev = rt.gpu_backend().local_devices()[0]
     host_array = np.empty(view.shape, np.dtype(view.typestr))
     return rt.device_put(host_array, rt.memory_sharding(dev, kind))
