@@ -69,6 +69,12 @@ def _typestr(dtype):
     return dtype.str
 
 
+# Where the whole-array protocols send a sharded array.
+_PER_SHARD = ("jax_overlay.to_shards(x) gives each addressable shard's device, "
+              "index and data, a single-device array (x.addressable_shards[i].data): "
+              "shard.data")
+
+
 def _check(x):
     """The precise error for an array the fast path turned away."""
     if not isinstance(x, rt.ArrayImpl):
@@ -82,7 +88,7 @@ def _check(x):
         raise AttributeError(
             f"__cuda_array_interface__ describes one buffer, but this array is "
             f"sharded over {len(devices)} devices; export each shard instead: "
-            "x.addressable_shards[i].data.__cuda_array_interface__")
+            f"{_PER_SHARD}.__cuda_array_interface__")
     device = next(iter(devices))
     if device.platform != "gpu" and not (_allow_host and device.platform == "cpu"):
         raise AttributeError(
@@ -252,7 +258,7 @@ def dlpack_device(x):
             raise BufferError(
                 f"__dlpack__ describes one buffer, but this array is sharded "
                 f"over {len(devices)} devices; export each shard instead: "
-                "x.addressable_shards[i].data")
+                f"{_PER_SHARD}.__dlpack__")
         device, = devices
     if device.platform == "cpu":
         return _DL_CPU
