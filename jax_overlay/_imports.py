@@ -130,6 +130,20 @@ def _same_place(arr, device):
     return arr.sharding.device_set == {device}
 
 
+def place(arr, copied, device, copy):
+    """(array, copied) on `device` (a device or a sharding, None for where
+    it is): the array itself when it is there, else a copy there;
+    BufferError with copy=False."""
+    if device is None or _same_place(arr, device):
+        return arr, copied
+    if copy is False:
+        raise BufferError(
+            f"the array lives on {arr.sharding} and device={device} asks "
+            "for another place, which needs a copy; pass copy=None or "
+            "copy=True")
+    return rt.device_put(arr, device), True
+
+
 def finish(arr, copied, *, device=None, copy=None):
     """Applies the Array API's device/copy rules and JAX's dtype
     canonicalisation to a fresh import."""
@@ -143,13 +157,7 @@ def finish(arr, copied, *, device=None, copy=None):
                 f"conversion to {dtype} (a copy) is needed; enable "
                 "jax_enable_x64 or pass copy=None")
         arr, copied = arr.astype(dtype), True
-    if device is not None and not _same_place(arr, device):
-        if copy is False:
-            raise BufferError(
-                f"the array lives on {arr.sharding} and device={device} asks "
-                "for another place, which needs a copy; pass copy=None or "
-                "copy=True")
-        return rt.device_put(arr, device)
+    arr, copied = place(arr, copied, device, copy)
     if copy and not copied:
         return rt.device_put(arr, arr.sharding, may_alias=False)
     return arr

@@ -55,6 +55,13 @@ def _asarray(orig):
         if hit is None:
             return orig(a, dtype, order, copy=copy, device=device, **kwargs)
         view, copied = hit
+        if device is not None:
+            # Every import is committed to the device that owns its memory,
+            # and JAX's asarray/array cannot move a committed array (jax 0.12
+            # raises "incompatible devices"): the import's own rule places it
+            # (a copy there, BufferError with copy=False) before JAX's turn.
+            view, copied = _imports.place(view, copied, device, copy)
+            device = None
         canonical = rt.canonical(view.dtype)
         if (dtype is None and order is None and device is None and not kwargs
                 and not copy and canonical == view.dtype):
@@ -74,6 +81,9 @@ def _array(orig):
             return orig(object, dtype, copy=copy, order=order, ndmin=ndmin,
                         device=device, **kwargs)
         view, copied = hit
+        if device is not None:  # placed first, as in asarray above
+            view, copied = _imports.place(view, copied, device, copy)
+            device = None
         if dtype is None:
             dtype = rt.canonical(view.dtype)  # as JAX does for host arrays
         # A GPU-side copy already made a fresh buffer: JAX need not copy again.
