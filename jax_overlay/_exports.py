@@ -75,14 +75,20 @@ _PER_SHARD = ("jax_overlay.to_shards(x) gives each addressable shard's device, "
               "shard.data")
 
 
-def _check(x):
-    """The precise error for an array the fast path turned away."""
+def check_live(x):
+    """TypeError for anything but a concrete jax.Array, BufferError for a
+    deleted or donated one: what every export checks first."""
     if not isinstance(x, rt.ArrayImpl):
         raise TypeError(f"expected a jax.Array, got {type(x).__module__}.{type(x).__qualname__}")
     if x.is_deleted():
         raise BufferError(
             "the JAX array was deleted or donated: its buffer is gone, so there "
             "is nothing to export")
+
+
+def _check(x):
+    """The precise error for an array the fast path turned away."""
+    check_live(x)
     devices = x.sharding.device_set
     if len(devices) != 1:
         raise AttributeError(

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 
 from . import _dlpack
+from . import _exports
 from . import _imports
 from . import _runtime as rt
 
@@ -44,12 +45,7 @@ def to_shards(x) -> list[Shard]:
     after the computation that produced it.  Replicated arrays give one
     shard per device, each a full copy (``x.addressable_shards[i].replica_id``
     tells them apart)."""
-    if not isinstance(x, rt.ArrayImpl):
-        raise TypeError(f"to_shards takes a concrete jax.Array, got {_name(x)}")
-    if x.is_deleted():
-        raise BufferError(
-            "the JAX array was deleted or donated: its shards are gone, so "
-            "there is nothing to export")
+    _exports.check_live(x)
     return [Shard(s.device, s.index, s.data) for s in x.addressable_shards]
 
 

@@ -150,6 +150,15 @@ class HostCAIOn:
         self.__cuda_array_interface__ = T.HostCAI(array, **cai).__cuda_array_interface__
 
 
+@contextlib.contextmanager
+def installed():
+    jax_overlay.install()
+    try:
+        yield
+    finally:
+        jax_overlay.uninstall()
+
+
 class FakeGpus:
     """What ``cpus_as_gpus`` records: `switches`, the ordinals a producer's
     ``__dlpack__`` was made current for; `owners`, pointer -> ordinal for the

@@ -12,7 +12,7 @@ import pytest
 
 import jax_overlay
 from multidevice import (KDLCUDA, HostCAIOn, HostDLPack, aligned, check, cpus_as_gpus,
-                         on, params)
+                         installed, on, params)
 
 
 def ptr(x):
@@ -34,13 +34,10 @@ def case_dlpack_lands_on_the_producers_gpu_not_the_default_device(n):
         np.testing.assert_array_equal(np.asarray(x), a)
         # The producer ordered device 1's compute stream, with device 1 current.
         assert p.streams == [1001] and gpus.switches == [1]
-        jax_overlay.install()
-        try:
+        with installed():
             for f in (jnp.asarray, jax.device_put, jax.dlpack.from_dlpack, jnp.from_dlpack):
                 y = f(p)
                 assert y.devices() == {cpu1} and ptr(y) == a.ctypes.data, f
-        finally:
-            jax_overlay.uninstall()
         assert gpus.switches == [1] * 5 and p.streams == [1001] * 5
 
 
@@ -56,8 +53,7 @@ def case_dlpack_device_elsewhere_copies_or_refuses(n):
         np.testing.assert_array_equal(np.asarray(y), a)
         with pytest.raises(BufferError, match="device=.*needs a copy"):
             jax_overlay.from_dlpack(p, device=cpu0, copy=False)
-        jax_overlay.install()
-        try:
+        with installed():
             # Stock JAX cannot move a committed array with asarray/array.
             for f in (jnp.asarray, jnp.array):
                 z = f(p, device=cpu0)
@@ -67,8 +63,6 @@ def case_dlpack_device_elsewhere_copies_or_refuses(n):
                     f(p, device=cpu0, copy=False)
             assert ptr(jnp.asarray(p, device=cpu1, copy=False)) == a.ctypes.data
             assert jax.device_put(p, cpu0).devices() == {cpu0}
-        finally:
-            jax_overlay.uninstall()
 
 
 @on(2)
@@ -88,12 +82,9 @@ def case_cai_lands_on_the_gpu_that_owns_the_pointer(n):
         np.testing.assert_array_equal(np.asarray(z), a)
         with pytest.raises(BufferError, match="device=.*needs a copy"):
             jax_overlay.from_cuda_array_interface(HostCAIOn(a, 1), device=cpu0, copy=False)
-        jax_overlay.install()
-        try:
+        with installed():
             w = jnp.asarray(HostCAIOn(a, 1))
             assert w.devices() == {cpu1} and ptr(w) == a.ctypes.data
-        finally:
-            jax_overlay.uninstall()
 
 
 @on(2)
