@@ -75,6 +75,17 @@ def jax_fill(k, *, steps=300):
     return _jax_busy(float(k), _seed(), steps)
 
 
+@functools.cache
+def _sharded_seed(sharding):
+    return jax.device_put(jnp.ones(JAX_N, jnp.float32), sharding)
+
+
+def jax_fill_sharded(k, sharding, *, steps=300):
+    """jax_fill laid out by `sharding`: each device writes its block, all
+    exactly `k`, after `steps` passes over it on that device."""
+    return _jax_busy(float(k), _sharded_seed(sharding), steps)
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _jax_many(k, seed, kernels):
     v = seed
