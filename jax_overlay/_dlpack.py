@@ -44,11 +44,14 @@ _gpu_targets: dict[int, tuple] = {}
 
 
 def _gpu_target(dl_id):
-    """(JAX device, XLA's compute stream) of CUDA device `dl_id`, cached."""
+    """(JAX device, XLA's compute stream, whether the producer's device must
+    be made current for its __dlpack__) of CUDA device `dl_id`, cached.  With
+    one GPU it is current whenever any is."""
     target = _gpu_targets.get(dl_id)
     if target is None:
         device = rt.gpu_device(dl_id)
-        target = _gpu_targets[dl_id] = (device, rt.compute_stream(device))
+        target = _gpu_targets[dl_id] = (device, rt.compute_stream(device),
+                                        ext.device_count() > 1)
     return target
 
 
@@ -83,8 +86,8 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
             advertised = (int(dl_type), int(dl_id))
         _check_type(advertised[0])
         stream = _producer_stream(*advertised)
-        if stream is None:
-            cap = _request(x, None, copy)
+        if stream is None or not _gpu_target(advertised[1])[2]:
+            cap = _request(x, stream, copy)
         else:
             # The producer's device is made current for the call: PyTorch's
             # and CuPy's __dlpack__ order the consumer stream after the

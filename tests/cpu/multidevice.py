@@ -193,6 +193,7 @@ def cpus_as_gpus():
         mp.setattr(_dlpack, "_gpu_targets", {})
         mp.setattr(ext, "plan_cai_import", plan)
         mp.setattr(ext, "call_on_device", on_device)
+        mp.setattr(ext, "device_count", lambda: len(cpus))
         mp.setattr(ext, "pointer_info", lambda ptr: ("device", fake.owners[ptr], ptr, 0, ptr, 0))
         yield fake
 
