@@ -4,6 +4,8 @@
     x = jax_overlay.from_cuda_array_interface(cupy_array)
     y = jax_overlay.from_dlpack(torch_tensor)
     jax_overlay.install()        # JAX's own entry points use the same paths
+    shards = jax_overlay.to_shards(sharded_x)     # per-device export
+    x = jax_overlay.from_shards([t0, t1], sharding)  # per-device import
 """
 
 from ._config import config
@@ -11,7 +13,9 @@ from ._dlpack import from_dlpack
 from ._exports import cuda_array_interface, to_dlpack
 from ._imports import from_cuda_array_interface
 from ._install import install, installed, uninstall
+from ._shards import Shard, from_shards, to_shards
 
 __version__ = "0.1.0"
-__all__ = ["config", "cuda_array_interface", "from_cuda_array_interface", "from_dlpack",
-           "install", "installed", "to_dlpack", "uninstall"]
+__all__ = ["Shard", "config", "cuda_array_interface", "from_cuda_array_interface",
+           "from_dlpack", "from_shards", "install", "installed", "to_dlpack", "to_shards",
+           "uninstall"]

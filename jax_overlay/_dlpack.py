@@ -44,11 +44,14 @@ _gpu_targets: dict[int, tuple] = {}
 
 
 def _gpu_target(dl_id):
-    """(JAX device, XLA's compute stream) of CUDA device `dl_id`, cached."""
+    """(JAX device, XLA's compute stream, whether the producer's device must
+    be made current for its __dlpack__) of CUDA device `dl_id`, cached.  With
+    one GPU it is current whenever any is."""
     target = _gpu_targets.get(dl_id)
     if target is None:
         device = rt.gpu_device(dl_id)
-        target = _gpu_targets[dl_id] = (device, rt.compute_stream(device))
+        target = _gpu_targets[dl_id] = (device, rt.compute_stream(device),
+                                        ext.device_count() > 1)
     return target
 
 
@@ -64,9 +67,11 @@ def _producer_stream(dl_type, dl_id):
     return None
 
 
-def import_dlpack(x, *, copy=None, advertised=None):
+def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
     """(array, copied) for a ``__dlpack__`` producer or a raw capsule.
-    `advertised`: the producer's ``__dlpack_device__()`` if already asked."""
+    `advertised`: the producer's ``__dlpack_device__()`` if already asked.
+    `host_device`: the CPU device that views host memory (kDLCPU), which
+    belongs to no device in particular; default JAX's first CPU device."""
     if type(x) is CapsuleType:
         cap = x
     else:
@@ -80,7 +85,15 @@ def import_dlpack(x, *, copy=None, advertised=None):
             dl_type, dl_id = device()
             advertised = (int(dl_type), int(dl_id))
         _check_type(advertised[0])
-        cap = _request(x, _producer_stream(*advertised), copy)
+        stream = _producer_stream(*advertised)
+        if stream is None or not _gpu_target(advertised[1])[2]:
+            cap = _request(x, stream, copy)
+        else:
+            # The producer's device is made current for the call: PyTorch's
+            # and CuPy's __dlpack__ order the consumer stream after the
+            # *current device's* current stream, so a caller with another
+            # device current would get an order after the wrong device's work.
+            cap = ext.call_on_device(advertised[1], _request, x, stream, copy)
     # One native call: BufferError for a consumed capsule or a newer major
     # version; a versioned capsule comes back as a legacy one jaxlib reads.
     # READ_ONLY needs nothing: JAX never writes to an imported buffer, short
@@ -94,14 +107,14 @@ def import_dlpack(x, *, copy=None, advertised=None):
     _check_type(dl_type)
     if view.numel == 0:
         ext.release_capsule(cap)
-        return _empty(view, dl_type, dl_id), copied
+        return _empty(view, dl_type, dl_id, host_device), copied
     if dl_type == KDLCUDA or dl_type == KDLCUDAMANAGED:
         # Device or managed memory: both are device memory to JAX.
         device, jax_type, alignment = _gpu_target(dl_id)[0], KDLCUDA, 16
     elif dl_type == KDLCUDAHOST:
         device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDAHOST, 1
     else:
-        device, jax_type, alignment = rt.host_device(), KDLCPU, 1
+        device, jax_type, alignment = host_device or rt.host_device(), KDLCPU, 1
     if view.layout != "strided" and view.data % alignment == 0:
         # On the host jaxlib copies unaligned memory itself unless told not to.
         jax_copy = False if copy is False and jax_type != KDLCUDA else None
@@ -122,15 +135,50 @@ def import_dlpack(x, *, copy=None, advertised=None):
     return out, True
 
 
-def _empty(view, dl_type, dl_id):
+def _empty(view, dl_type, dl_id, host_device):
     import numpy as np
     if not view.typestr:
         raise BufferError("a zero-size array of this dtype cannot be imported")
     host = np.empty(view.shape, np.dtype(view.typestr))
     if dl_type == KDLCPU:
-        return rt.device_put(host, rt.host_device())
+        return rt.device_put(host, host_device or rt.host_device())
     kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"
     return rt.device_put(host, rt.memory_sharding(rt.gpu_device(dl_id), kind))
+
+
+_GPU_TYPES = frozenset({KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED})
+
+
+def import_foreign(obj, copy, host_device=None):
+    """(array, copied) for a foreign array, through DLPack when the object
+    has it, else its CUDA Array Interface; None when it has neither.
+
+    Host memory (kDLCPU) is viewed on `host_device`; without one it gives
+    None, and so does a DLPack device type jax_overlay cannot hold that has
+    no CAI either: the caller's own path (JAX's, after install()) takes
+    those.  With `host_device` such a type raises BufferError naming it."""
+    dlpack_device = getattr(obj, "__dlpack_device__", None)
+    if dlpack_device is not None and hasattr(obj, "__dlpack__"):
+        dl_type, dl_id = dlpack_device()
+        dl_type, dl_id = int(dl_type), int(dl_id)
+        if dl_type in _GPU_TYPES or host_device is not None:
+            return import_dlpack(obj, copy=copy, advertised=(dl_type, dl_id),
+                                 host_device=host_device)
+        if dl_type == KDLCPU:
+            return None  # the caller's host path, even if it also has a CAI
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is None:
+        return None
+    return _imports.import_cai(obj, cai, copy=copy)
+
+
+def _cpu_target(device):
+    """The CPU device `device=` names, if it names exactly one."""
+    if isinstance(device, jax.sharding.Sharding):
+        if len(device.device_set) != 1:
+            return None
+        device, = device.device_set
+    return device if getattr(device, "platform", None) == "cpu" else None
 
 
 def from_dlpack(x, /, *, device=None, copy=None):
@@ -145,6 +193,11 @@ def from_dlpack(x, /, *, device=None, copy=None):
       kDLCUDAManaged (a device array); anything else raises BufferError.
     * GPU producers order JAX's compute stream after their pending work: the
       host never waits.
+    * Placed on the device that owns the memory: the GPU of the
+      producer's ``__dlpack_device__``, whatever device is current (the
+      producer's ``__dlpack__`` is called with its own device current).
+      Host memory (kDLCPU) belongs to every CPU device: ``device=`` a CPU
+      device views it there, else it lands on JAX's first CPU device.
     * Strided or misaligned tensors: one copy on the same device
       (BufferError with ``copy=False``); ``device=`` and ``copy=True`` as in
       :func:`from_cuda_array_interface`.
@@ -154,5 +207,5 @@ def from_dlpack(x, /, *, device=None, copy=None):
             f"device={device} spans {len(device.device_set)} devices; from_dlpack "
             "imports one buffer: pass one device, then jax.device_put the result "
             "onto the sharding")
-    arr, copied = import_dlpack(x, copy=copy)
+    arr, copied = import_dlpack(x, copy=copy, host_device=_cpu_target(device))
     return _imports.finish(arr, copied, device=device, copy=copy)

@@ -69,20 +69,32 @@ def _typestr(dtype):
     return dtype.str
 
 
-def _check(x):
-    """The precise error for an array the fast path turned away."""
+# Where the whole-array protocols send a sharded array.
+_PER_SHARD = ("jax_overlay.to_shards(x) gives each addressable shard's device, "
+              "index and data, a single-device array (x.addressable_shards[i].data): "
+              "shard.data")
+
+
+def check_live(x):
+    """TypeError for anything but a concrete jax.Array, BufferError for a
+    deleted or donated one: what every export checks first."""
     if not isinstance(x, rt.ArrayImpl):
         raise TypeError(f"expected a jax.Array, got {type(x).__module__}.{type(x).__qualname__}")
     if x.is_deleted():
         raise BufferError(
             "the JAX array was deleted or donated: its buffer is gone, so there "
             "is nothing to export")
+
+
+def _check(x):
+    """The precise error for an array the fast path turned away."""
+    check_live(x)
     devices = x.sharding.device_set
     if len(devices) != 1:
         raise AttributeError(
             f"__cuda_array_interface__ describes one buffer, but this array is "
             f"sharded over {len(devices)} devices; export each shard instead: "
-            "x.addressable_shards[i].data.__cuda_array_interface__")
+            f"{_PER_SHARD}.__cuda_array_interface__")
     device = next(iter(devices))
     if device.platform != "gpu" and not (_allow_host and device.platform == "cpu"):
         raise AttributeError(
@@ -252,7 +264,7 @@ def dlpack_device(x):
             raise BufferError(
                 f"__dlpack__ describes one buffer, but this array is sharded "
                 f"over {len(devices)} devices; export each shard instead: "
-                "x.addressable_shards[i].data")
+                f"{_PER_SHARD}.__dlpack__")
         device, = devices
     if device.platform == "cpu":
         return _DL_CPU

@@ -39,12 +39,19 @@ def _order(view, ordinal, device):
 
 
 def _empty(view, host):
-    kind = "device"
+    kind, dev = "device", None
     if host:
-        dev = jax.devices("cpu")[0]
-    else:
-        if view.data and ext.pointer_info(view.data)[0] == "pinned_host":
-            kind = "pinned_host"
+        dev = rt.host_device()
+    elif view.data:
+        # A zero-size slice still points into its allocation: the GPU that
+        # owns it, not the current or the first one.
+        mem, ordinal = ext.pointer_info(view.data)[:2]
+        if mem != "not_cuda":
+            dev = rt.gpu_device(ordinal)
+            kind = "pinned_host" if mem == "pinned_host" else "device"
+    if dev is None:
+        # A null pointer (CuPy's and PyTorch's zero-size arrays) belongs to
+        # no device: JAX's first GPU; device= places it elsewhere.
         dev = rt.gpu_backend().local_devices()[0]
     host_array = np.empty(view.shape, np.dtype(view.typestr))
     return rt.device_put(host_array, rt.memory_sharding(dev, kind))
@@ -123,6 +130,20 @@ def _same_place(arr, device):
     return arr.sharding.device_set == {device}
 
 
+def place(arr, copied, device, copy):
+    """(array, copied) on `device` (a device or a sharding, None for where
+    it is): the array itself when it is there, else a copy there;
+    BufferError with copy=False."""
+    if device is None or _same_place(arr, device):
+        return arr, copied
+    if copy is False:
+        raise BufferError(
+            f"the array lives on {arr.sharding} and device={device} asks "
+            "for another place, which needs a copy; pass copy=None or "
+            "copy=True")
+    return rt.device_put(arr, device), True
+
+
 def finish(arr, copied, *, device=None, copy=None):
     """Applies the Array API's device/copy rules and JAX's dtype
     canonicalisation to a fresh import."""
@@ -136,13 +157,7 @@ def finish(arr, copied, *, device=None, copy=None):
                 f"conversion to {dtype} (a copy) is needed; enable "
                 "jax_enable_x64 or pass copy=None")
         arr, copied = arr.astype(dtype), True
-    if device is not None and not _same_place(arr, device):
-        if copy is False:
-            raise BufferError(
-                f"the array lives on {arr.sharding} and device={device} asks "
-                "for another place, which needs a copy; pass copy=None or "
-                "copy=True")
-        return rt.device_put(arr, device)
+    arr, copied = place(arr, copied, device, copy)
     if copy and not copied:
         return rt.device_put(arr, arr.sharding, may_alias=False)
     return arr

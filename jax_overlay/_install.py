@@ -35,7 +35,6 @@ _saved: dict[tuple[object, str], object] = {}
 # the common calls (NumPy arrays, scalars, lists) pay one set lookup.
 _JAX_NATIVE = frozenset({rt.ArrayImpl, np.ndarray, int, float, complex, bool,
                          list, tuple, type(None)})
-_GPU_TYPES = frozenset({_dlpack.KDLCUDA, _dlpack.KDLCUDAHOST, _dlpack.KDLCUDAMANAGED})
 
 
 def _foreign(obj, copy):
@@ -45,17 +44,8 @@ def _foreign(obj, copy):
     t = type(obj)
     if t in _JAX_NATIVE or isinstance(obj, np.generic) or hasattr(obj, "__jax_array__"):
         return None
-    dlpack_device = getattr(obj, "__dlpack_device__", None)
-    if dlpack_device is not None and hasattr(obj, "__dlpack__"):
-        dl_type, dl_id = dlpack_device()
-        if int(dl_type) in _GPU_TYPES:
-            return _dlpack.import_dlpack(obj, copy=copy, advertised=(int(dl_type), int(dl_id)))
-        if int(dl_type) == _dlpack.KDLCPU:
-            return None  # JAX's own host path, even if it also has a CAI
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is None:
-        return None
-    return _imports.import_cai(obj, cai, copy=copy)
+    # No host device: host arrays keep JAX's own path (see the module doc).
+    return _dlpack.import_foreign(obj, copy)
 
 
 def _asarray(orig):
@@ -65,6 +55,13 @@ def _asarray(orig):
         if hit is None:
             return orig(a, dtype, order, copy=copy, device=device, **kwargs)
         view, copied = hit
+        if device is not None:
+            # Every import is committed to the device that owns its memory,
+            # and JAX's asarray/array cannot move a committed array (jax 0.12
+            # raises "incompatible devices"): the import's own rule places it
+            # (a copy there, BufferError with copy=False) before JAX's turn.
+            view, copied = _imports.place(view, copied, device, copy)
+            device = None
         canonical = rt.canonical(view.dtype)
         if (dtype is None and order is None and device is None and not kwargs
                 and not copy and canonical == view.dtype):
@@ -84,6 +81,9 @@ def _array(orig):
             return orig(object, dtype, copy=copy, order=order, ndmin=ndmin,
                         device=device, **kwargs)
         view, copied = hit
+        if device is not None:  # placed first, as in asarray above
+            view, copied = _imports.place(view, copied, device, copy)
+            device = None
         if dtype is None:
             dtype = rt.canonical(view.dtype)  # as JAX does for host arrays
         # A GPU-side copy already made a fresh buffer: JAX need not copy again.

@@ -57,8 +57,9 @@ JAX_N = 1 << 22
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _jax_busy(k, seed, steps):
-    v = lax.fori_loop(0, steps, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5, seed)
+def jax_busy(k, start, steps):
+    """`steps` passes over `start` (laid out as it is), then `k` everywhere."""
+    v = lax.fori_loop(0, steps, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5, start)
     return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
 
 
@@ -74,4 +75,4 @@ def jax_fill(k, *, steps=300, n=JAX_N):
     a few hundred).  The loop starts from an argument, not a constant, so XLA
     cannot fold it away: a producer that is done before its consumer reads
     proves nothing."""
-    return _jax_busy(float(k), seed(n), steps)
+    return jax_busy(float(k), seed(n), steps)

@@ -138,5 +138,13 @@ def canonical(dtype):
     return _dtypes.canonicalize_dtype(dtype)
 
 
+def addressable_devices(sharding) -> tuple:
+    """The sharding's addressable devices in its own order: that of
+    ``addressable_devices_indices_map`` and of a jax.Array's
+    ``addressable_shards`` (public only through a shape, which from_shards
+    may have to infer after placing its arrays)."""
+    return tuple(sharding._addressable_device_assignment)
+
+
 def memory_sharding(device, kind: str):
     return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)

@@ -154,24 +154,32 @@ bool Primary(int ordinal, CUcontext* out, Error* err) {
   return true;
 }
 
+// Pushes `want` unless it is already current; *pushed says whether a pop is
+// owed.
+bool PushUnlessCurrent(CUcontext want, bool* pushed, Error* err) {
+  CUcontext cur = nullptr;
+  g_cu.CtxGetCurrent(&cur);
+  if (cur == want) return true;
+  CUresult r = g_cu.CtxPushCurrent(want);
+  if (r != kSuccess) return DriverFail(err, "cuCtxPushCurrent", r);
+  *pushed = true;
+  return true;
+}
+
+void PopIfPushed(bool pushed) {
+  if (pushed) {
+    CUcontext ignored;
+    g_cu.CtxPopCurrent(&ignored);
+  }
+}
+
 // Makes `want` current for the scope unless it already is.
 class ScopedContext {
  public:
   bool Enter(CUcontext want, Error* err) {
-    CUcontext cur = nullptr;
-    g_cu.CtxGetCurrent(&cur);
-    if (cur == want) return true;
-    CUresult r = g_cu.CtxPushCurrent(want);
-    if (r != kSuccess) return DriverFail(err, "cuCtxPushCurrent", r);
-    pushed_ = true;
-    return true;
+    return PushUnlessCurrent(want, &pushed_, err);
   }
-  ~ScopedContext() {
-    if (pushed_) {
-      CUcontext ignored;
-      g_cu.CtxPopCurrent(&ignored);
-    }
-  }
+  ~ScopedContext() { PopIfPushed(pushed_); }
 
  private:
   bool pushed_ = false;
@@ -315,6 +323,15 @@ bool OrderAfter(int ordinal, uintptr_t producer, uintptr_t consumer,
   *waited = true;
   return true;
 }
+
+bool DeviceScope::Enter(int ordinal, Error* err) {
+  Error no_driver;
+  if (!Load(&no_driver)) return true;  // no driver, no contexts, no producers
+  CUcontext want;
+  return Primary(ordinal, &want, err) && PushUnlessCurrent(want, &pushed_, err);
+}
+
+DeviceScope::~DeviceScope() { PopIfPushed(pushed_); }
 
 int DriverVersion() {
   Error ignored;

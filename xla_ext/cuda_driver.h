@@ -49,6 +49,26 @@ bool OrderAfter(int ordinal, uintptr_t producer, uintptr_t consumer,
 // True when every piece of work enqueued on `stream` has finished.
 bool StreamIdle(int ordinal, uintptr_t stream, bool* idle, Error* err);
 
+// Makes the primary context of device `ordinal` current for the life of the
+// object, unless it already is, and restores the previous one after.  The
+// CUDA runtime reads "the current device" from the current context, so a
+// producer called inside (PyTorch's and CuPy's __dlpack__, which order the
+// consumer's stream after the current device's current stream) picks the
+// device that owns its memory, whatever device the caller had current.
+// Without a usable driver there is no context to switch: Enter does nothing
+// and succeeds.
+class DeviceScope {
+ public:
+  DeviceScope() = default;
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  ~DeviceScope();
+  bool Enter(int ordinal, Error* err);
+
+ private:
+  bool pushed_ = false;
+};
+
 int DriverVersion();  // 0 when unknown
 int DeviceCount();    // 0 when unknown
 

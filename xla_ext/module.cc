@@ -314,6 +314,19 @@ PYBIND11_MODULE(_xla_ext, m) {
       "enqueued).");
 
   m.def(
+      "call_on_device",
+      [](int ordinal, py::function fn, py::args args) {
+        cuda::DeviceScope scope;  // popped on return and on exceptions alike
+        Error err;
+        if (!scope.Enter(ordinal, &err)) Raise(err);
+        return fn(*args);
+      },
+      py::arg("ordinal"), py::arg("fn"),
+      "fn(*args) with the primary context of CUDA device `ordinal` current "
+      "(the CUDA runtime's current device), restoring the caller's after; "
+      "without a driver, just fn(*args).");
+
+  m.def(
       "stream_idle",
       [](int ordinal, uintptr_t stream) {
         bool idle = false;

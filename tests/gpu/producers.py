@@ -13,7 +13,7 @@ import jax.numpy as jnp
 # The kernel, the PyTorch sleep and the busy JAX computation live in the
 # package, which the doctor ships; the suite and the benchmarks share them.
 from jax_overlay._producers import (  # noqa: F401 - re-exported
-    CLOCK_HZ, JAX_N, SPIN_SRC, jax_fill, seed, spin_fill, torch_sleep)
+    CLOCK_HZ, JAX_N, SPIN_SRC, jax_busy, jax_fill, seed, spin_fill, torch_sleep)
 
 
 class WithStream:
@@ -33,6 +33,17 @@ STREAMS = {
     "per_thread": lambda: (cp.cuda.Stream.ptds, 2),
     "user": lambda: ((s := cp.cuda.Stream(non_blocking=True)), s.ptr),
 }
+
+
+@functools.cache
+def _sharded_seed(sharding):
+    return jax.device_put(jnp.ones(JAX_N, jnp.float32), sharding)
+
+
+def jax_fill_sharded(k, sharding, *, steps=300):
+    """jax_fill laid out by `sharding`: each device writes its block, all
+    exactly `k`, after `steps` passes over it on that device."""
+    return jax_busy(float(k), _sharded_seed(sharding), steps)
 
 
 @functools.partial(jax.jit, static_argnums=2)

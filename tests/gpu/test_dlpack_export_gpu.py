@@ -191,7 +191,10 @@ def test_pending_export_blocks_donation_while_held():
     x = jax_fill(4.0, steps=20000)
     t = torch.from_dlpack(x)
     pending = not x.is_ready()
-    jax.jit(lambda v: v + 1, donate_argnums=0)(x)
+    try:
+        jax.jit(lambda v: v + 1, donate_argnums=0)(x)
+    except jax.errors.JaxRuntimeError as e:  # PJRT on the GPU refuses outright
+        assert "external reference" in str(e), e
     assert not x.is_deleted(), "a buffer a consumer holds must not be donated"
     assert pending, "the array was ready before the export: the test proves nothing"
     assert t.min().item() == 4.0

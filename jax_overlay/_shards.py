@@ -1,0 +1,212 @@
+"""Sharded arrays and the interchange protocols, which describe one buffer
+each: per-shard export (to_shards) and zero-copy assembly of a global array
+from per-device foreign arrays (from_shards).  Both sit on the one import and
+export paths: a shard's ``data`` exports through ``__dlpack__`` /
+``__cuda_array_interface__``, and each foreign array is imported by the same
+code as ``jax_overlay.from_dlpack`` / ``from_cuda_array_interface``."""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import jax
+
+from . import _dlpack
+from . import _exports
+from . import _imports
+from . import _runtime as rt
+
+
+class Shard(NamedTuple):
+    """One addressable shard of a :class:`jax.Array`."""
+
+    device: jax.Device
+    """The device holding the shard."""
+    index: tuple
+    """The shard's block of the global array: ``x[index]`` (a tuple of slices)."""
+    data: jax.Array
+    """A single-device array over the shard's own buffer (no copy), exportable
+    with ``__dlpack__`` and, on a GPU, ``__cuda_array_interface__``."""
+
+
+def _name(obj):
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def to_shards(x) -> list[Shard]:
+    """The addressable shards of `x`, in the order of ``x.addressable_shards``
+    (the sharding's device order): each one's device, its index into the
+    global array and its data as a single-device array that shares the
+    shard's buffer, zero-copy.  ``torch.from_dlpack(s.data)``,
+    ``cupy.from_dlpack(s.data)`` and, after ``install()``,
+    ``cupy.asarray(s.data)`` then read that buffer on its own GPU, ordered
+    after the computation that produced it.  Replicated arrays give one
+    shard per device, each a full copy (``x.addressable_shards[i].replica_id``
+    tells them apart)."""
+    _exports.check_live(x)
+    return [Shard(s.device, s.index, s.data) for s in x.addressable_shards]
+
+
+def _import(name, obj, device, copy):
+    """A single-device jax.Array for one entry of from_shards' `arrays`."""
+    if isinstance(obj, jax.Array):
+        if not isinstance(obj, rt.ArrayImpl):
+            raise TypeError(f"{name} is a traced {_name(obj)}; from_shards takes concrete arrays")
+        if obj.is_deleted():
+            raise BufferError(f"{name} was deleted or donated: its buffer is gone")
+        n = len(obj.sharding.device_set)
+        if n != 1:
+            raise BufferError(
+                f"{name} is itself sharded over {n} devices; pass single-device "
+                "arrays (jax_overlay.to_shards(a) gives a sharded array's)")
+        return _imports.finish(obj, False, copy=copy)
+    # Host memory belongs to every CPU device: viewed on this position's
+    # device when that is a CPU, else on the first CPU, where the placement
+    # check below names the copy it needs.
+    host = device if device.platform == "cpu" else rt.host_device()
+    hit = _dlpack.import_foreign(obj, copy, host)
+    if hit is None:
+        raise TypeError(
+            f"{name} is a {_name(obj)}, which has neither __dlpack__ nor "
+            "__cuda_array_interface__; pass PyTorch, CuPy, NumPy or other DLPack "
+            "or CUDA Array Interface arrays, or single-device jax.Arrays")
+    return _imports.finish(*hit, copy=copy)
+
+
+def _check_place(name, arr, want, sharding, order, keyed):
+    (have,) = arr.sharding.device_set
+    if have != want:
+        if have.platform == "cpu" and want.platform != "cpu":
+            raise BufferError(
+                f"{name} is host memory, but the sharding places it on {want}; "
+                f"jax.device_put it onto {want} first (a copy)")
+        if keyed:
+            fix = f"key it by the device it is on, or jax.device_put it onto {want} (a copy)"
+        else:
+            fix = (f"pass the arrays in the sharding's device order "
+                   f"[{', '.join(map(str, order))}] (that of jax_overlay.to_shards "
+                   "and sharding.addressable_devices_indices_map) or as a dict "
+                   f"{{device: array}}, or jax.device_put it onto {want} (a copy)")
+        raise BufferError(f"{name} is on {have}, but the sharding places it on {want}; {fix}")
+    kind = sharding.memory_kind
+    if kind is not None and arr.sharding.memory_kind != kind:
+        raise BufferError(
+            f"{name} is in {have}'s {arr.sharding.memory_kind!r} memory, but the "
+            f"sharding wants {kind!r} memory; jax.device_put it there (a copy: "
+            f"jax.sharding.SingleDeviceSharding(device, memory_kind={kind!r})), "
+            f"or use a sharding with memory_kind={arr.sharding.memory_kind!r}")
+
+
+def _global_shape(global_shape, sharding, first):
+    """`global_shape` checked, or inferred from the first shard: JAX tiles
+    every dimension evenly, so the global extent is the shard's times the
+    number of blocks the sharding cuts that dimension into (read from the
+    shard shape of a probe whose every extent is the device count, which
+    each block count divides)."""
+    if global_shape is not None:
+        try:
+            return tuple(operator.index(n) for n in global_shape)
+        except TypeError:
+            raise TypeError(
+                f"global_shape={global_shape!r}: pass a tuple of ints") from None
+    if first is None:
+        raise ValueError("from_shards got no arrays, so global_shape= is needed")
+    name, shape = first
+    n = len(sharding.device_set)
+    try:
+        probe = sharding.shard_shape((n,) * len(shape))
+    except Exception as e:  # JAX's errors for a spec longer than the rank
+        raise ValueError(
+            f"cannot infer global_shape from {name}'s shape {shape}: the sharding "
+            f"does not fit {len(shape)}-dimensional arrays ({e}); pass global_shape=") from None
+    return tuple(s * (n // p) for s, p in zip(shape, probe))
+
+
+def _block_shape(index, global_shape):
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, global_shape))
+
+
+def from_shards(arrays, sharding, *, global_shape=None, copy=None):
+    """A global :class:`jax.Array` with `sharding`, assembled from one array
+    per addressable device, without copying (through
+    ``jax.make_array_from_single_device_arrays``).
+
+    ``arrays``: a list in the sharding's device order (that of
+    :func:`to_shards` and ``sharding.addressable_devices_indices_map``), or a
+    dict ``{device: array}``.  Each is a PyTorch, CuPy, NumPy or other DLPack
+    or CUDA Array Interface array (imported as by :func:`from_dlpack`,
+    DLPack preferred, else by :func:`from_cuda_array_interface`: zero-copy,
+    ordered after its producer's stream, the producer kept alive), or a
+    single-device jax.Array.
+
+    * Each must already sit on the device the sharding gives its position
+      (GPU memory on its own GPU), in the sharding's memory kind:
+      BufferError otherwise, naming the array, where it is and where it
+      should be; nothing is moved silently.  Host memory (NumPy) belongs to
+      every CPU device and is viewed on its position's.
+    * Each must have the shape of its block and all one dtype: ValueError.
+      Replicas of a replicated dimension are taken as given (not compared).
+    * ``global_shape``: inferred when omitted (each dimension's shard extent
+      times the number of blocks the sharding cuts it into).
+    * ``copy``: as for the imports: None copies (on the same device) only an
+      array no view can hold (strided or misaligned), False raises
+      BufferError instead, True gives fresh buffers.
+    """
+    if not isinstance(sharding, jax.sharding.Sharding):
+        raise TypeError(f"sharding must be a jax.sharding.Sharding, got {_name(sharding)}")
+    order = rt.addressable_devices(sharding)
+    keyed = isinstance(arrays, dict)
+    if keyed:
+        missing = [str(d) for d in order if d not in arrays]
+        unknown = [str(k) for k in arrays if k not in order]
+        if missing or unknown:
+            raise ValueError(
+                f"arrays is keyed by {len(arrays)} devices, but the sharding's "
+                f"addressable devices are [{', '.join(map(str, order))}]: "
+                f"missing {missing}, not in the sharding {unknown}; key one "
+                "array by each of its devices")
+        items = [(f"arrays[{d}]", d, arrays[d]) for d in order]
+    elif isinstance(arrays, (list, tuple)):
+        if len(arrays) != len(order):
+            raise ValueError(
+                f"got {len(arrays)} arrays, but the sharding has {len(order)} "
+                f"addressable devices [{', '.join(map(str, order))}]; pass one "
+                "array per device, in that order")
+        items = [(f"arrays[{i}]", d, a) for i, (d, a) in enumerate(zip(order, arrays))]
+    else:
+        raise TypeError(
+            f"arrays must be a list (in the sharding's device order) or a dict "
+            f"{{device: array}}, got {_name(arrays)}")
+
+    shards = []
+    for name, device, obj in items:
+        arr = _import(name, obj, device, copy)
+        _check_place(name, arr, device, sharding, order, keyed)
+        shards.append((name, device, arr))
+    if shards:
+        name0, _, arr0 = shards[0]
+        for name, _, arr in shards[1:]:
+            if arr.dtype != arr0.dtype:
+                raise ValueError(
+                    f"{name} is {arr.dtype} but {name0} is {arr0.dtype}; a jax.Array "
+                    "has one dtype: convert on the producer's side first")
+    global_shape = _global_shape(
+        global_shape, sharding, (shards[0][0], shards[0][2].shape) if shards else None)
+    try:
+        indices = sharding.addressable_devices_indices_map(global_shape)
+    except ValueError as e:  # uneven tiling, or a spec longer than the rank
+        raise ValueError(f"global_shape={global_shape} does not fit the sharding: {e}") from None
+    for name, device, arr in shards:
+        want = _block_shape(indices[device], global_shape)
+        if arr.shape != want:
+            raise ValueError(
+                f"{name} has shape {arr.shape}, but the sharding gives {device} the "
+                f"block {indices[device]} of the global shape {global_shape}, of shape "
+                f"{want}; pass that block, or the global_shape= it belongs to")
+    # Lifetime: the global array holds the very buffers of these single-device
+    # arrays, and each buffer holds its producer until PJRT frees it, so the
+    # intermediates can go.
+    return jax.make_array_from_single_device_arrays(
+        global_shape, sharding, [arr for _, _, arr in shards])
