@@ -317,26 +317,19 @@ bool ParseCai(PyObject* cai, CaiSpec* out, Error* err) {
                     (st && st != Py_None ? " with strides " + Repr(st) : "") +
                     ": " + why);
   }
-  int64_t bytes;
-  if (__builtin_mul_overflow(out->layout.span, int64_t(out->itemsize),
-                             &bytes)) {
-    return Fail(err, ErrorKind::kValue,
-                "__cuda_array_interface__ shape " + Repr(shape) +
-                    (st && st != Py_None ? " with strides " + Repr(st) : "") +
-                    ": the memory it spans in bytes overflows int64");
-  }
   if (out->data == 0 && out->layout.numel != 0) {
     return Fail(err, ErrorKind::kValue,
                 "__cuda_array_interface__['data'][0] is a null pointer for "
                 "shape " + Repr(shape) +
                     "; only zero-size arrays may have pointer 0");
   }
-  if (out->layout.low != 0 &&
-      out->data < uintptr_t(-out->layout.low) * uintptr_t(out->itemsize)) {
+  if (!CheckEnvelope(out->data, out->layout, out->itemsize, &why)) {
     return Fail(err, ErrorKind::kValue,
-                "__cuda_array_interface__['strides'] " + Repr(st) +
-                    " reach below address 0 from pointer " +
-                    std::to_string(out->data));
+                "__cuda_array_interface__['data'][0] = " +
+                    std::to_string(out->data) + " with shape " + Repr(shape) +
+                    (st && st != Py_None ? " and strides " + Repr(st) : "") +
+                    " of '" + out->typestr + "': " + why +
+                    "; the producer's pointer or strides are wrong");
   }
   return true;
 }

@@ -187,6 +187,10 @@ TEST(Data) {
               "['data'] must be a tuple (pointer: int, read_only: bool)");
   ExpectError(ParseWith("data", Py_BuildValue("(iO)", 0, Py_False)),
               ErrorKind::kValue, "is a null pointer");
+  // 2x3 float32 is 24 bytes: from 2**64 - 16 they would wrap to address 8.
+  ExpectError(ParseWith("data", Py_BuildValue("(KO)", ~0ULL - 15, Py_False)),
+              ErrorKind::kValue, "reach past the top of the 64-bit address space");
+  CHECK(ParseWith("data", Py_BuildValue("(KO)", ~0ULL - 23, Py_False)).ok);
 }
 
 TEST(NullPointerIsFineForZeroSize) {
