@@ -218,13 +218,20 @@ bool ParseCai(PyObject* cai, CaiSpec* out, Error* err) {
                 "__cuda_array_interface__['typestr'] must be a str, got " +
                     TypeName(ts) + " " + Repr(ts));
   }
-  const char* tsc = PyUnicode_AsUTF8(ts);
+  Py_ssize_t ts_len = 0;
+  const char* tsc = PyUnicode_AsUTF8AndSize(ts, &ts_len);
   if (!tsc) {
     PyErr_Clear();
     return Fail(err, ErrorKind::kType,
                 "__cuda_array_interface__['typestr'] is not valid UTF-8");
   }
-  out->typestr = tsc;
+  // The whole string, embedded NULs included: '<f4\0junk' is not '<f4'.
+  out->typestr.assign(tsc, static_cast<size_t>(ts_len));
+  if (out->typestr.find('\0') != std::string::npos) {
+    return Fail(err, ErrorKind::kType,
+                "__cuda_array_interface__['typestr'] " + Repr(ts) +
+                    " has a NUL character; JAX holds " + kAcceptedTypes);
+  }
   if (!TypestrToDtype(out->typestr, &out->dtype, &out->itemsize, err)) {
     return false;
   }

@@ -157,6 +157,9 @@ TEST(Typestr) {
               ErrorKind::kType, "is not a NumPy type string");
   ExpectError(ParseWith("typestr", PyBytes_FromString("<f4")),
               ErrorKind::kType, "['typestr'] must be a str, got bytes");
+  // The whole string counts: it used to be read up to the NUL, as '<f4'.
+  ExpectError(ParseWith("typestr", PyUnicode_FromStringAndSize("<f4\0junk", 8)),
+              ErrorKind::kType, "['typestr'] '<f4\\x00junk' has a NUL character");
 }
 
 TEST(TypestrToDtypeCodes) {

@@ -80,6 +80,9 @@ BAD = [
     (dict(typestr="f4"), TypeError, ["'f4'"]),
     (dict(typestr="<fx"), TypeError, ["'<fx'"]),
     (dict(typestr="<b2"), TypeError, ["'<b2'"]),
+    # Read to its end, not to the first NUL (it used to parse as '<f4').
+    (dict(typestr="<f4\x00junk"), TypeError, ["typestr", "'<f4\\x00junk'", "NUL"]),
+    (dict(typestr="<f4\x00"), TypeError, ["typestr", "NUL"]),
     (dict(data=KeyError), TypeError, ["'data'"]),
     (dict(data=4096), TypeError, ["data", "tuple"]),
     (dict(data=(4096,)), TypeError, ["data"]),
