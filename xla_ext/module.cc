@@ -203,41 +203,27 @@ PYBIND11_MODULE(_xla_ext, m) {
         CapsuleView v;
         if (!InspectCapsule(capsule.ptr(), &v)) throw py::error_already_set();
         const dl::Tensor& t = *v.tensor;
-        if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && !t.shape)) {
-          throw py::buffer_error("the DLPack tensor has ndim " +
-                                 std::to_string(t.ndim) +
-                                 "; 0 to 64 with a shape are accepted");
-        }
-        std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
-        std::vector<int64_t> strides;
-        if (t.strides) strides.assign(t.strides, t.strides + t.ndim);
-        for (int64_t n : shape) {
-          if (n < 0) throw py::buffer_error("the DLPack tensor has a negative dimension");
-        }
-        Layout layout;
-        const char* why = nullptr;
-        if (!AnalyzeLayout(shape, strides, &layout, &why)) {
-          throw py::buffer_error(std::string("the DLPack tensor's ") + why);
-        }
+        TensorGeometry g;
+        Error err;
+        if (!CheckTensor(t, &g, &err)) Raise(err);
         py::object version = py::none();
         if (v.versioned) version = py::make_tuple(v.major, v.minor);
         std::string typestr = DtypeToTypestr(t.dtype);
-        uintptr_t data = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
         py::dict out;
         out["versioned"] = v.versioned;
         out["version"] = version;
         out["flags"] = v.flags;
         out["device"] = py::make_tuple(t.device.device_type, t.device.device_id);
-        out["data"] = data;
-        out["shape"] = Tuple(shape);
-        out["strides"] = t.strides ? py::object(Tuple(strides)) : py::none();
+        out["data"] = g.data;
+        out["shape"] = Tuple(g.shape);
+        out["strides"] = t.strides ? py::object(Tuple(g.strides)) : py::none();
         out["dtype"] = py::make_tuple(t.dtype.code, t.dtype.bits, t.dtype.lanes);
         out["typestr"] = typestr.empty() ? py::object(py::none()) : py::str(typestr);
-        out["itemsize"] = (t.dtype.bits * t.dtype.lanes + 7) / 8;
-        out["layout"] = LayoutName(layout.kind);
-        out["numel"] = layout.numel;
-        out["low"] = layout.low;
-        out["span"] = layout.span;
+        out["itemsize"] = g.itemsize;
+        out["layout"] = LayoutName(g.layout.kind);
+        out["numel"] = g.layout.numel;
+        out["low"] = g.layout.low;
+        out["span"] = g.layout.span;
         return out;
       },
       py::arg("capsule"),

@@ -194,3 +194,31 @@ def test_unaligned_cpu_memory_with_copy_false():
     v[...] = np.arange(16)
     x = D.from_dlpack(v)  # jaxlib copies unaligned host memory itself
     np.testing.assert_array_equal(np.asarray(x), np.arange(16))
+
+
+def _patch_byte_offset(cap, value):
+    """Sets byte_offset of our own legacy capsule's tensor (offset 40)."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    ctypes.c_uint64.from_address(get(cap, b"dltensor") + 40).value = value
+
+
+@pytest.mark.parametrize("case", ["null", "offset_wraps", "past_top", "bytes_overflow"])
+def test_tensors_no_consumer_can_read_are_refused(case):
+    """Found by fuzzing: these were imported (a null pointer as garbage data)
+    or reached jaxlib, which raised RuntimeError."""
+    a = aligned((6,))
+    data, shape, dtype = a.ctypes.data, [6], "<f4"
+    if case == "null":
+        data = 0
+    elif case == "past_top":
+        data = 2**64 - 16
+    elif case == "bytes_overflow":
+        shape, dtype = [2**61], "<f8"
+    cap = ext.raw_capsule(a, data, shape, None, dtype, 1, 0)
+    if case == "offset_wraps":
+        _patch_byte_offset(cap, 2**64 - 8)
+    words = {"null": "null data pointer", "offset_wraps": "byte_offset",
+             "past_top": "past the top", "bytes_overflow": "overflows int64"}[case]
+    with pytest.raises(BufferError, match=words):
+        D.from_dlpack(cap)
