@@ -6,7 +6,10 @@ from __future__ import annotations
 import datetime
 
 import jax
+import ml_dtypes
+import numpy as np
 
+from . import _exports
 from . import _imports
 from . import _runtime as rt
 from . import _xla_ext as ext
@@ -17,6 +20,34 @@ _NAMES = {KDLCPU: "kDLCPU", KDLCUDA: "kDLCUDA", KDLCUDAHOST: "kDLCUDAHost",
 MAX_VERSION = tuple(ext.DLPACK_VERSION)
 # types.CapsuleType exists from Python 3.13 on; datetime's C API is a capsule.
 CapsuleType = type(datetime.datetime_CAPI)
+
+
+def _holdable_dtypes():
+    """DLPack (code, bits, lanes) -> the NumPy dtype of every type JAX holds,
+    from the export's own table, so both directions agree on every code."""
+    cands = list(_exports._CAI_DTYPES) + [
+        np.dtype(getattr(ml_dtypes, name)) for name in _exports._DL_NAMED_CODES
+        if hasattr(ml_dtypes, name)]
+    return {_exports._dl_dtype(d): d for d in cands}
+
+
+# Sub-byte types (int4, float4, ...) are not among them: DLPack packs them
+# unless a flag says otherwise and jaxlib reads neither form; the export
+# refuses them too.
+_DTYPES = _holdable_dtypes()
+
+
+def _dtype(code, bits, lanes):
+    dtype = _DTYPES.get((code, bits, lanes))
+    if dtype is None:
+        why = ("JAX dtypes have one lane (no vector types)" if lanes != 1 else
+               "sub-byte types are not imported" if 0 < bits < 8 else
+               "JAX has no such dtype")
+        raise BufferError(
+            f"the DLPack dtype (code {code}, bits {bits}, lanes {lanes}) cannot be "
+            f"imported: {why}; JAX holds bool, (u)int8-64, float16-64, "
+            "complex64/128, bfloat16 and float8 types: convert the tensor first")
+    return dtype
 
 
 def _check_type(dl_type):
@@ -83,6 +114,9 @@ def import_dlpack(x, *, copy=None, advertised=None):
         # READ_ONLY needs nothing: JAX never writes to an imported buffer,
         # short of donating it (see the README).
         cap = ext.versioned_to_legacy(cap)
+    # Before jaxlib sees it: a dtype it cannot read would come back as its
+    # RuntimeError.  The refused capsule's destructor frees the tensor.
+    dtype = _dtype(*info["dtype"])
     # Producers may advertise a type their capsule does not carry (PyTorch's
     # pinned tensors say kDLCUDAHost and ship kDLCPU): the advertised one is
     # where the memory is.
@@ -90,7 +124,7 @@ def import_dlpack(x, *, copy=None, advertised=None):
     _check_type(dl_type)
     if info["numel"] == 0:
         ext.release_capsule(cap)
-        return _empty(info, dl_type, dl_id), copied
+        return _empty(info["shape"], dtype, dl_type, dl_id), copied
     if dl_type == KDLCPU:
         device, jax_type, alignment = rt.host_device(), KDLCPU, 1
     elif dl_type == KDLCUDAHOST:
@@ -107,6 +141,10 @@ def import_dlpack(x, *, copy=None, advertised=None):
                 raise BufferError(
                     f"cannot import the array without a copy: {e}; pass "
                     "copy=None or copy=True") from None
+            if "DLPack" in str(e):  # a float8 code this jaxlib predates
+                raise BufferError(
+                    f"this jaxlib cannot import the DLPack dtype {info['dtype']} "
+                    f"({dtype}): {e}") from None
             raise
         pinned_copy = jax_type == KDLCUDAHOST and not rt.PINNED_VIEW
         return arr, copied or pinned_copy
@@ -117,11 +155,8 @@ def import_dlpack(x, *, copy=None, advertised=None):
     return out, True
 
 
-def _empty(info, dl_type, dl_id):
-    import numpy as np
-    if info["typestr"] is None:
-        raise BufferError("a zero-size array of this dtype cannot be imported")
-    host = np.empty(info["shape"], np.dtype(info["typestr"]))
+def _empty(shape, dtype, dl_type, dl_id):
+    host = np.empty(shape, dtype)
     if dl_type == KDLCPU:
         return rt.device_put(host, rt.host_device())
     kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"

@@ -222,3 +222,31 @@ def test_tensors_no_consumer_can_read_are_refused(case):
              "past_top": "past the top", "bytes_overflow": "overflows int64"}[case]
     with pytest.raises(BufferError, match=words):
         D.from_dlpack(cap)
+
+
+@pytest.mark.parametrize("dtype,why", [
+    ((0, 4, 1), "sub-byte"), ((1, 2, 1), "sub-byte"), ((17, 4, 1), "sub-byte"),
+    ((2, 32, 2), "one lane"), ((3, 64, 1), "no such dtype"),
+    ((2, 12, 1), "no such dtype"), ((99, 8, 1), "no such dtype")])
+def test_dtypes_jax_cannot_hold_are_buffer_errors(dtype, why):
+    """Found by fuzzing: these reached jaxlib, which raised its own
+    RuntimeError (JaxRuntimeError: UNIMPLEMENTED ...)."""
+    a = aligned((8,))
+    owner = T.HostCAI(a)
+    ref = weakref.ref(owner)
+    cap = ext.raw_capsule(owner, a.ctypes.data, [4], None, dtype, 1, 0)
+    del owner
+    code, bits, lanes = dtype
+    with pytest.raises(BufferError, match=f"code {code}, bits {bits}, lanes {lanes}.*{why}"):
+        D.from_dlpack(cap)
+    del cap
+    gc.collect()
+    assert ref() is None, "the refused tensor must be freed"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_zero_size_of_non_numpy_dtypes(dtype):
+    """Found by fuzzing: 'a zero-size array of this dtype cannot be imported'."""
+    src = jax.device_put(jnp.zeros((0, 3), dtype), jax.devices("cpu")[0])
+    x = D.from_dlpack(src)
+    assert x.shape == (0, 3) and x.dtype == dtype
