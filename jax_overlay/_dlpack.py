@@ -4,6 +4,7 @@ of ``__dlpack__`` (or a raw capsule), asking for DLPack 1.x."""
 from __future__ import annotations
 
 import datetime
+import operator
 
 import jax
 import ml_dtypes
@@ -48,6 +49,21 @@ def _dtype(code, bits, lanes):
             f"imported: {why}; JAX holds bool, (u)int8-64, float16-64, "
             "complex64/128, bfloat16 and float8 types: convert the tensor first")
     return dtype
+
+
+def device_of(x):
+    """(device_type, device_id) from ``x.__dlpack_device__()``, which the
+    protocol says is a pair of ints; anything else is a TypeError naming
+    what came back (unpacking it blindly gave 'not enough values')."""
+    dev = x.__dlpack_device__()
+    try:
+        dl_type, dl_id = (operator.index(v) for v in dev)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{type(x).__module__}.{type(x).__qualname__}.__dlpack_device__() returned "
+            f"{dev!r}; the DLPack protocol asks for a tuple (device_type: int, "
+            "device_id: int)") from None
+    return dl_type, dl_id
 
 
 def _check_type(dl_type):
@@ -96,7 +112,7 @@ def import_dlpack(x, *, copy=None, advertised=None):
                     f"{type(x).__module__}.{type(x).__qualname__} has no __dlpack__ "
                     "and __dlpack_device__; pass an array of a DLPack producer or a "
                     "DLPack capsule")
-            advertised = tuple(int(v) for v in x.__dlpack_device__())
+            advertised = device_of(x)
         dl_type, dl_id = advertised
         _check_type(dl_type)
         cap = _request(x, _producer_stream(dl_type, dl_id), copy)

@@ -45,12 +45,11 @@ def _foreign(obj, copy):
     t = type(obj)
     if t in _JAX_NATIVE or isinstance(obj, np.generic) or hasattr(obj, "__jax_array__"):
         return None
-    dlpack_device = getattr(obj, "__dlpack_device__", None)
-    if dlpack_device is not None and hasattr(obj, "__dlpack__"):
-        dl_type, dl_id = dlpack_device()
-        if int(dl_type) in _GPU_TYPES:
-            return _dlpack.import_dlpack(obj, copy=copy, advertised=(int(dl_type), int(dl_id)))
-        if int(dl_type) == _dlpack.KDLCPU:
+    if hasattr(obj, "__dlpack_device__") and hasattr(obj, "__dlpack__"):
+        dl_type, dl_id = _dlpack.device_of(obj)
+        if dl_type in _GPU_TYPES:
+            return _dlpack.import_dlpack(obj, copy=copy, advertised=(dl_type, dl_id))
+        if dl_type == _dlpack.KDLCPU:
             return None  # JAX's own host path, even if it also has a CAI
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:

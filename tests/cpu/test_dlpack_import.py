@@ -250,3 +250,24 @@ def test_zero_size_of_non_numpy_dtypes(dtype):
     src = jax.device_put(jnp.zeros((0, 3), dtype), jax.devices("cpu")[0])
     x = D.from_dlpack(src)
     assert x.shape == (0, 3) and x.dtype == dtype
+
+
+@pytest.mark.parametrize("device", [None, (1,), (1, 0, 0), "10", (1.5, 0), (1, "0")])
+def test_malformed_dlpack_device_is_a_clear_type_error(device):
+    """Found by fuzzing: these gave 'not enough values to unpack' or
+    "'NoneType' object is not iterable", or (1.5, 0) was read as (1, 0)."""
+    p = Producer(aligned((3,)), device=device)
+    with pytest.raises(TypeError, match=r"__dlpack_device__\(\) returned .*\(device_type: int"):
+        D.from_dlpack(p)
+    assert p.asked == [], "no capsule may be asked for"
+
+
+def test_dlpack_device_accepts_int_enums():
+    """PyTorch and JAX answer with an IntEnum, others with NumPy ints."""
+    import enum
+
+    class DLDeviceType(enum.IntEnum):
+        kDLCPU = 1
+
+    p = Producer(aligned((3,)), device=(DLDeviceType.kDLCPU, np.int64(0)))
+    np.testing.assert_array_equal(np.asarray(D.from_dlpack(p)), p.array)
