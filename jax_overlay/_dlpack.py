@@ -4,7 +4,6 @@ of ``__dlpack__`` (or a raw capsule), asking for DLPack 1.x."""
 from __future__ import annotations
 
 import datetime
-import operator
 
 import jax
 import ml_dtypes
@@ -56,14 +55,13 @@ def device_of(x):
     protocol says is a pair of ints; anything else is a TypeError naming
     what came back (unpacking it blindly gave 'not enough values')."""
     dev = x.__dlpack_device__()
-    try:
-        dl_type, dl_id = (operator.index(v) for v in dev)
-    except (TypeError, ValueError):
+    pair = _exports.int_pair(dev)
+    if pair is None:
         raise TypeError(
             f"{type(x).__module__}.{type(x).__qualname__}.__dlpack_device__() returned "
             f"{dev!r}; the DLPack protocol asks for a tuple (device_type: int, "
-            "device_id: int)") from None
-    return dl_type, dl_id
+            "device_id: int)")
+    return pair
 
 
 def _check_type(dl_type):
