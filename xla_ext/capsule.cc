@@ -311,13 +311,13 @@ bool CheckTensor(const dl::Tensor& t, TensorGeometry* out, Error* err) {
                 where() + " has a null data pointer; only tensors without "
                         "elements may have one");
   }
-  if (t.byte_offset > UINTPTR_MAX - base) {
+  if (out->layout.numel != 0 && t.byte_offset > UINTPTR_MAX - base) {
     return Fail(err, ErrorKind::kBuffer,
                 where() + ": data " + std::to_string(base) + " + byte_offset " +
                     std::to_string(t.byte_offset) +
                     " wraps past the top of the 64-bit address space");
   }
-  out->data = base + t.byte_offset;
+  out->data = base + t.byte_offset;  // unused (may wrap) when there are no elements
   if (!CheckEnvelope(out->data, out->layout, out->itemsize, &why)) {
     return Fail(err, ErrorKind::kBuffer,
                 where() + " at address " + std::to_string(out->data) + ": " +

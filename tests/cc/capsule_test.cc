@@ -269,6 +269,13 @@ TEST(CheckTensorAcceptsAPlainTensor) {
              t->data = nullptr;
            }),
            std::string("(ok)"));
+  // Nor does a byte_offset that would wrap: nothing is ever read there.
+  CHECK_EQ(CheckWith([](dl::Tensor* t) {
+             static int64_t empty[1] = {0};
+             t->shape = empty;
+             t->byte_offset = ~0ull;
+           }),
+           std::string("(ok)"));
 }
 
 TEST(CheckTensorRefusesWhatNoConsumerCanRead) {
