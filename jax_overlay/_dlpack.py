@@ -163,7 +163,7 @@ def import_dlpack(x, *, copy=None, advertised=None):
         pinned_copy = jax_type == KDLCUDAHOST and not rt.PINNED_VIEW
         return arr, copied or pinned_copy
     out = _imports.copy_import(
-        cap, info["data"], info["shape"], info["strides"], info["typestr"],
+        cap, info["data"], info["shape"], info["strides"], dtype,
         info["itemsize"], info["low"], info["span"], info["layout"], alignment,
         jax_type, dl_id if dl_type != KDLCPU else 0, device, 0, copy)
     return out, True

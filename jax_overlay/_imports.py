@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from . import _exports
 from . import _runtime as rt
 from . import _strided
 from . import _xla_ext as ext
@@ -71,12 +72,14 @@ def import_cai(obj, cai=None, *, copy=None, host=None):
                        dl_type, ordinal, device, range_start, copy), True
 
 
-def copy_import(owner, data, shape, strides, typestr, itemsize, low, span,
+def copy_import(owner, data, shape, strides, dtype, itemsize, low, span,
                 layout, alignment, dl_type, ordinal, device, range_start, copy):
     """One copy on the same device of an array no view can hold (strided, or
     a misaligned pointer), for every import path: the producer's memory is
     viewed as one zero-copy envelope that holds `owner` alive, and one XLA
-    gather writes the compact result.  BufferError when copy=False."""
+    gather writes the compact result.  `dtype`: a NumPy dtype or type
+    string (bfloat16 and float8 have no string).  BufferError when
+    copy=False."""
     if copy is False:
         why = ("its strides are not a compact layout" if layout == "strided"
                else f"its pointer {data:#x} is not {alignment}-byte aligned")
@@ -84,14 +87,12 @@ def copy_import(owner, data, shape, strides, typestr, itemsize, low, span,
             f"cannot import the array without a copy: {why} "
             f"(shape {shape}, strides {strides} elements); pass "
             "copy=None or copy=True for one copy on the same device")
-    if typestr is None:
-        raise BufferError(
-            "a strided or misaligned array of this dtype cannot be copied on "
-            "import; make it compact on the producer's side first")
+    dtype = np.dtype(dtype)
     base, count, unit, offset = _strided.plan(
         data, low, span, itemsize, range_start, _strided.GPU_ALIGNMENT)
     cap = ext.raw_capsule(owner, base, [count], None,
-                          typestr if unit == itemsize else "|u1", dl_type, ordinal)
+                          _exports._dl_dtype(dtype) if unit == itemsize else "|u1",
+                          dl_type, ordinal)
     envelope = rt.capsule_to_array(cap, device, None, None, dl_type)
     pinned = dl_type == _KDLCUDAHOST
     if pinned:
@@ -100,7 +101,7 @@ def copy_import(owner, data, shape, strides, typestr, itemsize, low, span,
         envelope = rt.device_put(envelope, rt.memory_sharding(device, "device"))
     out = _strided.gather(envelope, shape,
                           strides if strides is not None else _row_major(shape),
-                          offset, typestr, unit)
+                          offset, dtype, unit)
     if pinned:
         out = rt.device_put(out, rt.memory_sharding(device, "pinned_host"))
     return out

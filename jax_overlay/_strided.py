@@ -75,4 +75,6 @@ def gather(envelope, shape, elem_strides, offset, dtype, unit):
             f"a strided import spanning {envelope.shape[0]} items needs 64-bit "
             "indices, which this version of jax_overlay does not generate; "
             "make the array compact on the producer's side first")
-    return _gather_fn(tuple(shape), strides, int(offset), np.dtype(dtype).str, unit)(envelope)
+    # The dtype itself is the cache key: bfloat16's and float8's strings
+    # ('<V2', '|V1') name raw bytes, not the type.
+    return _gather_fn(tuple(shape), strides, int(offset), np.dtype(dtype), unit)(envelope)

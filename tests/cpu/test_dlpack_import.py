@@ -271,3 +271,25 @@ def test_dlpack_device_accepts_int_enums():
 
     p = Producer(aligned((3,)), device=(DLDeviceType.kDLCPU, np.int64(0)))
     np.testing.assert_array_equal(np.asarray(D.from_dlpack(p)), p.array)
+
+
+@pytest.mark.parametrize("dtype,code", [(jnp.bfloat16, (4, 16, 1)),
+                                        (jnp.float8_e4m3fn, (10, 8, 1))])
+@pytest.mark.parametrize("view", ["strided", "negative", "misaligned"])
+def test_strided_bfloat16_and_float8_are_one_copy(dtype, code, view):
+    """Found by fuzzing: 'a strided or misaligned array of this dtype cannot
+    be copied on import' for dtypes without a NumPy type string."""
+    raw = T.aligned_empty((64,), np.uint8)
+    base = raw[:48].view(dtype)
+    base[...] = np.arange(base.size).astype(dtype)
+    if view == "strided":
+        v, ptr, strides = base[::3], base.ctypes.data, [3]
+    elif view == "negative":
+        v, ptr, strides = base[::-2], base[-1:].ctypes.data, [-2]
+    else:  # an odd address: bfloat16 elements straddle it, so bytes are gathered
+        v = raw[1:17].view(dtype)
+        ptr, strides = v.ctypes.data, None
+    cap = ext.raw_capsule(raw, ptr, list(v.shape), strides, code, 1, 0)
+    x = D.from_dlpack(cap)
+    assert x.dtype == dtype and x.shape == v.shape
+    assert np.asarray(x).tobytes() == np.ascontiguousarray(v).tobytes()
