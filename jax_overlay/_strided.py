@@ -51,6 +51,13 @@ def _gather_fn(shape, strides, offset, dtype, unit):
         return idx
 
     def by_element(flat):
+        if dtype.kind in "fV":
+            # Floats move as same-width unsigned ints: XLA may compute a
+            # float gather through a wider type (float8 on the CPU), which
+            # rewrites NaN payloads; a copy must keep every bit.
+            bits = lax.bitcast_convert_type(flat, np.dtype(f"u{dtype.itemsize}"))
+            return lax.bitcast_convert_type(
+                bits.at[indices()].get(mode="promise_in_bounds"), dtype)
         return flat.at[indices()].get(mode="promise_in_bounds")
 
     def by_byte(flat):

@@ -293,3 +293,24 @@ def test_strided_bfloat16_and_float8_are_one_copy(dtype, code, view):
     x = D.from_dlpack(cap)
     assert x.dtype == dtype and x.shape == v.shape
     assert np.asarray(x).tobytes() == np.ascontiguousarray(v).tobytes()
+
+
+@pytest.mark.parametrize("dtype,code", [
+    (jnp.float8_e5m2, (12, 8, 1)), (jnp.float8_e4m3fn, (10, 8, 1)),
+    (jnp.bfloat16, (4, 16, 1)), (np.float16, (2, 16, 1)), (np.float32, (2, 32, 1))])
+def test_strided_copy_keeps_every_bit(dtype, code):
+    """Found by fuzzing: the copy of a strided float8_e5m2 tensor rewrote NaN
+    payloads (0x7d, 0xfe, ... became 0x7f): XLA's CPU gather went through a
+    wider float.  Every bit pattern, NaNs included, must survive the copy."""
+    k = np.dtype(dtype).itemsize
+    n = 256 if k == 1 else 1024
+    rng = np.random.default_rng(0)
+    patterns = np.arange(256, dtype=np.uint8) if k == 1 else rng.integers(
+        0, 256, n * k, dtype=np.uint8)
+    raw = T.aligned_empty((2 * n * k,), np.uint8)
+    raw[...] = 0
+    both = raw.view(np.dtype(f"u{k}")).reshape(n, 2)
+    both[:, 0] = patterns.view(np.dtype(f"u{k}"))  # every other element
+    cap = ext.raw_capsule(raw, raw.ctypes.data, [n], [2], code, 1, 0)
+    x = D.from_dlpack(cap)
+    assert np.asarray(x).tobytes() == patterns.tobytes()
