@@ -148,18 +148,7 @@ def import_dlpack(x, *, copy=None, advertised=None):
     if info["layout"] != "strided" and info["data"] % alignment == 0:
         # On the host jaxlib copies unaligned memory itself unless told not to.
         jax_copy = False if copy is False and dl_type in (KDLCPU, KDLCUDAHOST) else None
-        try:
-            arr = rt.capsule_to_array(cap, device, None, jax_copy, jax_type)
-        except Exception as e:  # jaxlib's runtime error type
-            if "aligned" in str(e):
-                raise BufferError(
-                    f"cannot import the array without a copy: {e}; pass "
-                    "copy=None or copy=True") from None
-            if "DLPack" in str(e):  # a float8 code this jaxlib predates
-                raise BufferError(
-                    f"this jaxlib cannot import the DLPack dtype {info['dtype']} "
-                    f"({dtype}): {e}") from None
-            raise
+        arr = _imports.import_view(cap, device, jax_copy, jax_type)
         pinned_copy = jax_type == KDLCUDAHOST and not rt.PINNED_VIEW
         return arr, copied or pinned_copy
     out = _imports.copy_import(

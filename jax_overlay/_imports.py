@@ -64,12 +64,30 @@ def import_cai(obj, cai=None, *, copy=None, host=None):
     if busy:
         _order(view, ordinal, device)
     if cap is not None:
-        arr = rt.capsule_to_array(cap, device, None, False if copy is False else None, dl_type)
+        arr = import_view(cap, device, False if copy is False else None, dl_type)
         return arr, dl_type == _KDLCUDAHOST and not rt.PINNED_VIEW
 
     return copy_import(obj, view.data, view.shape, view.strides, view.typestr,
                        view.itemsize, view.low, view.span, view.layout, alignment,
                        dl_type, ordinal, device, range_start, copy), True
+
+
+def import_view(cap, device, copy, dl_type):
+    """jaxlib's import of a capsule a view can hold, for every import path.
+    Its own refusals come back as jaxlib's runtime error: the two a
+    producer's tensor can cause become the BufferError the protocols ask
+    for (jaxlib views host memory only when 64-byte aligned, so copy=False
+    on a less aligned host array is one of them)."""
+    try:
+        return rt.capsule_to_array(cap, device, None, copy, dl_type)
+    except Exception as e:  # jaxlib's runtime error type
+        if "aligned" in str(e):
+            raise BufferError(
+                f"cannot import the array without a copy: {e}; pass "
+                "copy=None or copy=True") from None
+        if "DLPack" in str(e):  # e.g. a float8 code this jaxlib predates
+            raise BufferError(f"this jaxlib cannot import the tensor: {e}") from None
+        raise
 
 
 def copy_import(owner, data, shape, strides, dtype, itemsize, low, span,
