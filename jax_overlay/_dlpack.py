@@ -6,7 +6,10 @@ from __future__ import annotations
 import datetime
 
 import jax
+import ml_dtypes
+import numpy as np
 
+from . import _exports
 from . import _imports
 from . import _runtime as rt
 from . import _xla_ext as ext
@@ -17,6 +20,48 @@ _NAMES = {KDLCPU: "kDLCPU", KDLCUDA: "kDLCUDA", KDLCUDAHOST: "kDLCUDAHost",
 MAX_VERSION = tuple(ext.DLPACK_VERSION)
 # types.CapsuleType exists from Python 3.13 on; datetime's C API is a capsule.
 CapsuleType = type(datetime.datetime_CAPI)
+
+
+def _holdable_dtypes():
+    """DLPack (code, bits, lanes) -> the NumPy dtype of every type JAX holds,
+    from the export's own table, so both directions agree on every code."""
+    cands = list(_exports._CAI_DTYPES) + [
+        np.dtype(getattr(ml_dtypes, name)) for name in _exports._DL_NAMED_CODES
+        if hasattr(ml_dtypes, name)]
+    return {_exports._dl_dtype(d): d for d in cands}
+
+
+# Sub-byte types (int4, float4, ...) are not among them: DLPack packs them
+# unless a flag says otherwise and jaxlib reads neither form; the export
+# refuses them too.
+_DTYPES = _holdable_dtypes()
+
+
+def _dtype(code, bits, lanes):
+    dtype = _DTYPES.get((code, bits, lanes))
+    if dtype is None:
+        why = ("JAX dtypes have one lane (no vector types)" if lanes != 1 else
+               "sub-byte types are not imported" if 0 < bits < 8 else
+               "JAX has no such dtype")
+        raise BufferError(
+            f"the DLPack dtype (code {code}, bits {bits}, lanes {lanes}) cannot be "
+            f"imported: {why}; JAX holds bool, (u)int8-64, float16-64, "
+            "complex64/128, bfloat16 and float8 types: convert the tensor first")
+    return dtype
+
+
+def device_of(x):
+    """(device_type, device_id) from ``x.__dlpack_device__()``, which the
+    protocol says is a pair of ints; anything else is a TypeError naming
+    what came back (unpacking it blindly gave 'not enough values')."""
+    dev = x.__dlpack_device__()
+    pair = _exports.int_pair(dev)
+    if pair is None:
+        raise TypeError(
+            f"{type(x).__module__}.{type(x).__qualname__}.__dlpack_device__() returned "
+            f"{dev!r}; the DLPack protocol asks for a tuple (device_type: int, "
+            "device_id: int)")
+    return pair
 
 
 def _check_type(dl_type):
@@ -82,8 +127,7 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
                     f"{type(x).__module__}.{type(x).__qualname__} has no __dlpack__ "
                     "and __dlpack_device__; pass an array of a DLPack producer or a "
                     "DLPack capsule")
-            dl_type, dl_id = device()
-            advertised = (int(dl_type), int(dl_id))
+            advertised = device_of(x)
         _check_type(advertised[0])
         stream = _producer_stream(*advertised)
         if stream is None or not _gpu_target(advertised[1])[2]:
@@ -94,12 +138,15 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
             # *current device's* current stream, so a caller with another
             # device current would get an order after the wrong device's work.
             cap = ext.call_on_device(advertised[1], _request, x, stream, copy)
-    # One native call: BufferError for a consumed capsule or a newer major
-    # version; a versioned capsule comes back as a legacy one jaxlib reads.
-    # READ_ONLY needs nothing: JAX never writes to an imported buffer, short
-    # of donating it (see the README).
+    # One native call: BufferError for a consumed capsule, a newer major
+    # version or a tensor no consumer can read; a versioned capsule comes back
+    # as a legacy one jaxlib reads.  READ_ONLY needs nothing: JAX never writes
+    # to an imported buffer, short of donating it (see the README).
     cap, view, cap_type, cap_id, flags = ext.plan_dlpack_import(cap)
     copied = bool(flags & ext.FLAG_IS_COPIED)
+    # Before jaxlib sees it: a dtype it cannot read would come back as its
+    # RuntimeError.  The refused capsule's destructor frees the tensor.
+    dtype = _dtype(*view.dtype)
     # Producers may advertise a type their capsule does not carry (PyTorch's
     # pinned tensors say kDLCUDAHost and ship kDLCPU): the advertised one is
     # where the memory is.
@@ -107,7 +154,7 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
     _check_type(dl_type)
     if view.numel == 0:
         ext.release_capsule(cap)
-        return _empty(view, dl_type, dl_id, host_device), copied
+        return _empty(view.shape, dtype, dl_type, dl_id, host_device), copied
     if dl_type == KDLCUDA or dl_type == KDLCUDAMANAGED:
         # Device or managed memory: both are device memory to JAX.
         device, jax_type, alignment = _gpu_target(dl_id)[0], KDLCUDA, 16
@@ -118,28 +165,18 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
     if view.layout != "strided" and view.data % alignment == 0:
         # On the host jaxlib copies unaligned memory itself unless told not to.
         jax_copy = False if copy is False and jax_type != KDLCUDA else None
-        try:
-            arr = rt.capsule_to_array(cap, device, None, jax_copy, jax_type)
-        except Exception as e:  # jaxlib's runtime error type
-            if "aligned" in str(e):
-                raise BufferError(
-                    f"cannot import the array without a copy: {e}; pass "
-                    "copy=None or copy=True") from None
-            raise
+        arr = _imports.import_view(cap, device, jax_copy, jax_type)
         pinned_copy = jax_type == KDLCUDAHOST and not rt.PINNED_VIEW
         return arr, copied or pinned_copy
     out = _imports.copy_import(
-        cap, view.data, view.shape, view.strides, view.typestr or None,
+        cap, view.data, view.shape, view.strides, dtype,
         view.itemsize, view.low, view.span, view.layout, alignment,
         jax_type, dl_id if dl_type != KDLCPU else 0, device, 0, copy)
     return out, True
 
 
-def _empty(view, dl_type, dl_id, host_device):
-    import numpy as np
-    if not view.typestr:
-        raise BufferError("a zero-size array of this dtype cannot be imported")
-    host = np.empty(view.shape, np.dtype(view.typestr))
+def _empty(shape, dtype, dl_type, dl_id, host_device):
+    host = np.empty(shape, dtype)
     if dl_type == KDLCPU:
         return rt.device_put(host, host_device or rt.host_device())
     kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"
@@ -159,8 +196,7 @@ def import_foreign(obj, copy, host_device=None):
     those.  With `host_device` such a type raises BufferError naming it."""
     dlpack_device = getattr(obj, "__dlpack_device__", None)
     if dlpack_device is not None and hasattr(obj, "__dlpack__"):
-        dl_type, dl_id = dlpack_device()
-        dl_type, dl_id = int(dl_type), int(dl_id)
+        dl_type, dl_id = device_of(obj)
         if dl_type in _GPU_TYPES or host_device is not None:
             return import_dlpack(obj, copy=copy, advertised=(dl_type, dl_id),
                                  host_device=host_device)

@@ -5,6 +5,7 @@ waiting."""
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import numpy as np
@@ -212,6 +213,22 @@ def _dl_dtype(dtype):
     return (code, dtype.itemsize * 8, 1)
 
 
+def int_pair(value):
+    """`value` as a tuple of two ints (IntEnums and NumPy ints included), or
+    None if it is not a tuple or list of two integers: DLPack's devices and
+    versions."""
+    if type(value) is tuple and len(value) == 2:
+        a, b = value
+        if type(a) is int and type(b) is int:
+            return value  # the common case, without a conversion
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        return None
+    try:
+        return operator.index(value[0]), operator.index(value[1])
+    except TypeError:
+        return None
+
+
 def _dl_check(x):
     """The CAI export's checks, with the DLPack protocol's BufferError."""
     try:
@@ -293,13 +310,23 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
     """
     if type(x) is not rt.ArrayImpl or x.is_deleted():
         _dl_check(x)  # the precise error; sharded arrays fail in dlpack_device
+    if copy is not None and not isinstance(copy, (bool, np.bool_)):
+        raise TypeError(f"copy={copy!r}: pass None, True or False")
+    if max_version is not None:
+        asked, max_version = max_version, int_pair(max_version)
+        if max_version is None:
+            raise TypeError(f"max_version={asked!r}: pass None or a tuple "
+                            "(major: int, minor: int)")
+    if dl_device is not None and int_pair(dl_device) is None:
+        raise TypeError(f"dl_device={dl_device!r}: pass None or a tuple "
+                        "(device_type: int, device_id: int)")
     dl_dtype = _dl_dtype(x.dtype)  # before any copy or reference is made
     src_type, src_id = dlpack_device(x)
     src_type, src_id = int(src_type), int(src_id)
     target = (src_type, src_id)
     copied = False
-    if dl_device is not None and tuple(int(v) for v in dl_device) != target:
-        want = tuple(int(v) for v in dl_device)
+    if dl_device is not None and int_pair(dl_device) != target:
+        want = int_pair(dl_device)
         if src_type == _KDLCUDAHOST and want == (_KDLCPU, 0):
             target = want  # the same pinned memory, read by the host
         else:
@@ -310,7 +337,10 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
             if want[0] == _KDLCPU:
                 dest = rt.host_device()
             elif want[0] == _KDLCUDA:
-                dest = rt.gpu_device(want[1])
+                try:
+                    dest = rt.gpu_device(want[1])
+                except BufferError as e:
+                    raise BufferError(f"dl_device={want}: {e}") from None
             else:
                 raise BufferError(f"dl_device={want}: jax_overlay exports to kDLCPU or kDLCUDA")
             x, copied, target = rt.device_put(x, dest), True, want
@@ -343,7 +373,7 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
         strides = [s // dtype.itemsize for s in strides]
     # Lifetime: the array keeps its buffer alive, the reference blocks donation.
     owner = x if reference is None else (x, reference)
-    versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    versioned = max_version is not None and max_version >= (1, 0)
     flags = ext.FLAG_READ_ONLY | (ext.FLAG_IS_COPIED if copied else 0)
     return ext.raw_capsule(owner, x.unsafe_buffer_pointer(), list(x.shape), strides,
                            dl_dtype, target[0], target[1], versioned,

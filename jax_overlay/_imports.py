@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from . import _exports
 from . import _runtime as rt
 from . import _strided
 from . import _xla_ext as ext
@@ -70,7 +71,7 @@ def import_cai(obj, cai=None, *, copy=None, host=None):
     if busy:
         _order(view, ordinal, device)
     if cap is not None:
-        arr = rt.capsule_to_array(cap, device, None, False if copy is False else None, dl_type)
+        arr = import_view(cap, device, False if copy is False else None, dl_type)
         return arr, dl_type == _KDLCUDAHOST and not rt.PINNED_VIEW
 
     return copy_import(obj, view.data, view.shape, view.strides, view.typestr,
@@ -78,12 +79,32 @@ def import_cai(obj, cai=None, *, copy=None, host=None):
                        dl_type, ordinal, device, range_start, copy), True
 
 
-def copy_import(owner, data, shape, strides, typestr, itemsize, low, span,
+def import_view(cap, device, copy, dl_type):
+    """jaxlib's import of a capsule a view can hold, for every import path.
+    Its own refusals come back as jaxlib's runtime error: the two a
+    producer's tensor can cause become the BufferError the protocols ask
+    for (jaxlib views host memory only when 64-byte aligned, so copy=False
+    on a less aligned host array is one of them)."""
+    try:
+        return rt.capsule_to_array(cap, device, None, copy, dl_type)
+    except Exception as e:  # jaxlib's runtime error type
+        if "aligned" in str(e):
+            raise BufferError(
+                f"cannot import the array without a copy: {e}; pass "
+                "copy=None or copy=True") from None
+        if "DLPack" in str(e):  # e.g. a float8 code this jaxlib predates
+            raise BufferError(f"this jaxlib cannot import the tensor: {e}") from None
+        raise
+
+
+def copy_import(owner, data, shape, strides, dtype, itemsize, low, span,
                 layout, alignment, dl_type, ordinal, device, range_start, copy):
     """One copy on the same device of an array no view can hold (strided, or
     a misaligned pointer), for every import path: the producer's memory is
     viewed as one zero-copy envelope that holds `owner` alive, and one XLA
-    gather writes the compact result.  BufferError when copy=False."""
+    gather writes the compact result.  `dtype`: a NumPy dtype or type
+    string (bfloat16 and float8 have no string).  BufferError when
+    copy=False."""
     if copy is False:
         why = ("its strides are not a compact layout" if layout == "strided"
                else f"its pointer {data:#x} is not {alignment}-byte aligned")
@@ -91,14 +112,12 @@ def copy_import(owner, data, shape, strides, typestr, itemsize, low, span,
             f"cannot import the array without a copy: {why} "
             f"(shape {shape}, strides {strides} elements); pass "
             "copy=None or copy=True for one copy on the same device")
-    if typestr is None:
-        raise BufferError(
-            "a strided or misaligned array of this dtype cannot be copied on "
-            "import; make it compact on the producer's side first")
+    dtype = np.dtype(dtype)
     base, count, unit, offset = _strided.plan(
         data, low, span, itemsize, range_start, _strided.GPU_ALIGNMENT)
     cap = ext.raw_capsule(owner, base, [count], None,
-                          typestr if unit == itemsize else "|u1", dl_type, ordinal)
+                          _exports._dl_dtype(dtype) if unit == itemsize else "|u1",
+                          dl_type, ordinal)
     envelope = rt.capsule_to_array(cap, device, None, None, dl_type)
     pinned = dl_type == _KDLCUDAHOST
     if pinned:
@@ -107,7 +126,7 @@ def copy_import(owner, data, shape, strides, typestr, itemsize, low, span,
         envelope = rt.device_put(envelope, rt.memory_sharding(device, "device"))
     out = _strided.gather(envelope, shape,
                           strides if strides is not None else _row_major(shape),
-                          offset, typestr, unit)
+                          offset, dtype, unit)
     if pinned:
         out = rt.device_put(out, rt.memory_sharding(device, "pinned_host"))
     return out

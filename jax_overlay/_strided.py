@@ -51,6 +51,13 @@ def _gather_fn(shape, strides, offset, dtype, unit):
         return idx
 
     def by_element(flat):
+        if dtype.kind in "fV":
+            # Floats move as same-width unsigned ints: XLA may compute a
+            # float gather through a wider type (float8 on the CPU), which
+            # rewrites NaN payloads; a copy must keep every bit.
+            bits = lax.bitcast_convert_type(flat, np.dtype(f"u{dtype.itemsize}"))
+            return lax.bitcast_convert_type(
+                bits.at[indices()].get(mode="promise_in_bounds"), dtype)
         return flat.at[indices()].get(mode="promise_in_bounds")
 
     def by_byte(flat):
@@ -75,4 +82,6 @@ def gather(envelope, shape, elem_strides, offset, dtype, unit):
             f"a strided import spanning {envelope.shape[0]} items needs 64-bit "
             "indices, which this version of jax_overlay does not generate; "
             "make the array compact on the producer's side first")
-    return _gather_fn(tuple(shape), strides, int(offset), np.dtype(dtype).str, unit)(envelope)
+    # The dtype itself is the cache key: bfloat16's and float8's strings
+    # ('<V2', '|V1') name raw bytes, not the type.
+    return _gather_fn(tuple(shape), strides, int(offset), np.dtype(dtype), unit)(envelope)

@@ -1,9 +1,12 @@
 """Test helpers: run the real import path on host memory, so CI without a
-GPU exercises the parser, the capsules, the strided copy and the lifetimes."""
+GPU exercises the parser, the capsules, the strided copy and the lifetimes;
+and forge DLPack capsules field by field, as a buggy producer would."""
 
 from __future__ import annotations
 
-import jax
+import ctypes
+import itertools
+
 import numpy as np
 
 from . import _imports
@@ -69,3 +72,131 @@ def aligned_empty(shape, dtype, alignment=256):
     buf = np.empty(n + alignment, np.uint8)
     off = (-buf.ctypes.data) % alignment
     return buf[off:off + n].view(dtype).reshape(shape)
+
+
+# Forged DLPack capsules ---------------------------------------------------
+#
+# A foreign producer written with ctypes: every field of the managed tensor,
+# the capsule's name and the version are the caller's, malformed or not, so
+# the fuzz tests can hand the import path anything a buggy producer could.
+# The producer's side keeps its promises: its deleter frees exactly its own
+# tensor, and its capsule destructor calls the deleter only while the
+# capsule is unconsumed (its name unchanged).  Every deleter call is counted
+# per tensor, so a test can check that each forged tensor was released
+# exactly once.
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice),
+                ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", _DELETER)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER),
+                ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+# Private prototypes: the capsule destructor gets the dying capsule as a raw
+# pointer, which must not become a py_object (that would resurrect it), and
+# the name is passed as a pointer the forged entry keeps alive (a capsule
+# keeps the name pointer, not a copy).
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p)(("PyCapsule_New", ctypes.pythonapi))
+_capsule_name = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
+    ("PyCapsule_GetName", ctypes.pythonapi))
+_capsule_context = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
+    ("PyCapsule_GetContext", ctypes.pythonapi))
+_capsule_set_context = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_void_p)(
+    ("PyCapsule_SetContext", ctypes.pythonapi))
+
+_forged: dict[int, tuple] = {}   # struct address -> (id, struct, keep-alives, name pointer)
+_forged_ids: dict[int, int] = {}  # id -> struct address
+forged_deletes: dict[int, int] = {}  # id -> deleter calls; -1 counts calls for no live tensor
+_ids = itertools.count(1)
+
+
+def _release(address):
+    entry = _forged.pop(address, None)
+    key = -1 if entry is None else entry[0]
+    forged_deletes[key] = forged_deletes.get(key, 0) + 1
+    if entry is not None:
+        del _forged_ids[key]
+
+
+# The deleter a consumer calls (on any thread: ctypes takes the GIL).
+_forged_deleter = _DELETER(_release)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _forged_destructor(capsule):
+    address = _forged_ids.get(_capsule_context(capsule))
+    entry = _forged.get(address)
+    if entry is None or _capsule_name(capsule) != entry[3]:
+        return  # consumed (renamed) or already released: not ours to free
+    _release(address)
+
+
+def forge_capsule(*, data, device=(1, 0), ndim=None, dtype=(2, 32, 1), shape=(),
+                  strides=None, byte_offset=0, versioned=True, version=(1, 1),
+                  flags=0, name=None, keep=None):
+    """(capsule, id): a DLPack capsule with exactly these fields.  `shape` or
+    `strides` None is a null pointer; `ndim` defaults to len(shape) (a larger
+    one makes the consumer read past the arrays: only smaller, or with a null
+    shape, is safe); `name` defaults to the right one for `versioned`, False
+    is a null name; `keep` stays alive until the tensor's deleter runs (the
+    memory `data` points into)."""
+    key = next(_ids)
+    arrays = []
+
+    def int64s(values):
+        if values is None:
+            return None
+        arr = (ctypes.c_int64 * max(len(values), 1))(*values)
+        arrays.append(arr)
+        return ctypes.addressof(arr)
+
+    if ndim is None:
+        ndim = 0 if shape is None else len(shape)
+    tensor = _DLTensor(data, _DLDevice(*device), ndim, _DLDataType(*dtype),
+                       int64s(shape), int64s(strides), byte_offset)
+    if versioned:
+        managed = _DLManagedTensorVersioned(version[0], version[1], None,
+                                            _forged_deleter, flags, tensor)
+    else:
+        managed = _DLManagedTensor(tensor, None, _forged_deleter)
+    if name is None:
+        name = "dltensor_versioned" if versioned else "dltensor"
+    raw_name = None if name is False else ctypes.create_string_buffer(
+        name.encode() if isinstance(name, str) else name)
+    name_ptr = None if raw_name is None else ctypes.addressof(raw_name)
+    address = ctypes.addressof(managed)
+    _forged[address] = (key, managed, (arrays, keep, raw_name), name_ptr)
+    _forged_ids[key] = address
+    cap = _capsule_new(address, name_ptr, ctypes.cast(_forged_destructor, ctypes.c_void_p))
+    _capsule_set_context(cap, key)
+    return cap, key
+
+
+def forged_alive():
+    """Forged tensors whose deleter has not run."""
+    return len(_forged)

@@ -218,13 +218,20 @@ bool ParseCai(PyObject* cai, CaiSpec* out, Error* err) {
                 "__cuda_array_interface__['typestr'] must be a str, got " +
                     TypeName(ts) + " " + Repr(ts));
   }
-  const char* tsc = PyUnicode_AsUTF8(ts);
+  Py_ssize_t ts_len = 0;
+  const char* tsc = PyUnicode_AsUTF8AndSize(ts, &ts_len);
   if (!tsc) {
     PyErr_Clear();
     return Fail(err, ErrorKind::kType,
                 "__cuda_array_interface__['typestr'] is not valid UTF-8");
   }
-  out->typestr = tsc;
+  // The whole string, embedded NULs included: '<f4\0junk' is not '<f4'.
+  out->typestr.assign(tsc, static_cast<size_t>(ts_len));
+  if (out->typestr.find('\0') != std::string::npos) {
+    return Fail(err, ErrorKind::kType,
+                "__cuda_array_interface__['typestr'] " + Repr(ts) +
+                    " has a NUL character; JAX holds " + kAcceptedTypes);
+  }
   if (!TypestrToDtype(out->typestr, &out->dtype, &out->itemsize, err)) {
     return false;
   }
@@ -317,26 +324,19 @@ bool ParseCai(PyObject* cai, CaiSpec* out, Error* err) {
                     (st && st != Py_None ? " with strides " + Repr(st) : "") +
                     ": " + why);
   }
-  int64_t bytes;
-  if (__builtin_mul_overflow(out->layout.span, int64_t(out->itemsize),
-                             &bytes)) {
-    return Fail(err, ErrorKind::kValue,
-                "__cuda_array_interface__ shape " + Repr(shape) +
-                    (st && st != Py_None ? " with strides " + Repr(st) : "") +
-                    ": the memory it spans in bytes overflows int64");
-  }
   if (out->data == 0 && out->layout.numel != 0) {
     return Fail(err, ErrorKind::kValue,
                 "__cuda_array_interface__['data'][0] is a null pointer for "
                 "shape " + Repr(shape) +
                     "; only zero-size arrays may have pointer 0");
   }
-  if (out->layout.low != 0 &&
-      out->data < uintptr_t(-out->layout.low) * uintptr_t(out->itemsize)) {
+  if (!CheckEnvelope(out->data, out->layout, out->itemsize, &why)) {
     return Fail(err, ErrorKind::kValue,
-                "__cuda_array_interface__['strides'] " + Repr(st) +
-                    " reach below address 0 from pointer " +
-                    std::to_string(out->data));
+                "__cuda_array_interface__['data'][0] = " +
+                    std::to_string(out->data) + " with shape " + Repr(shape) +
+                    (st && st != Py_None ? " and strides " + Repr(st) : "") +
+                    " of '" + out->typestr + "': " + why +
+                    "; the producer's pointer or strides are wrong");
   }
   return true;
 }

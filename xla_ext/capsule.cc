@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <string>
 
 namespace jxo {
 namespace {
@@ -263,6 +264,66 @@ bool InspectCapsule(PyObject* capsule, CapsuleView* out) {
                      "consumed once); ask the producer for a new one"
                    : "it is not a DLPack capsule");
   return false;
+}
+
+namespace {
+
+std::string Dims(const int64_t* v, int n) {
+  std::string s = "(";
+  for (int i = 0; i < n; ++i) {
+    s += (i ? ", " : "") + std::to_string(v[i]);
+  }
+  return s + (n == 1 ? ",)" : ")");
+}
+
+}  // namespace
+
+bool CheckTensor(const dl::Tensor& t, TensorGeometry* out, Error* err) {
+  if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && !t.shape)) {
+    return Fail(err, ErrorKind::kBuffer,
+                "the DLPack tensor has ndim " + std::to_string(t.ndim) +
+                    (t.ndim > 0 && !t.shape ? " and no shape" : "") +
+                    "; 0 to 64 with a shape are accepted");
+  }
+  out->shape.assign(t.shape, t.shape + t.ndim);
+  out->strides.clear();
+  if (t.strides) out->strides.assign(t.strides, t.strides + t.ndim);
+  // Only built on failure: this runs on every DLPack import.
+  auto where = [&] {
+    return "the DLPack tensor of shape " + Dims(t.shape, t.ndim) +
+           (t.strides ? " and strides " + Dims(t.strides, t.ndim) : "");
+  };
+  for (int64_t n : out->shape) {
+    if (n < 0) {
+      return Fail(err, ErrorKind::kBuffer,
+                  where() + " has a negative dimension; sizes must be >= 0");
+    }
+  }
+  const char* why = nullptr;
+  if (!AnalyzeLayout(out->shape, out->strides, &out->layout, &why)) {
+    return Fail(err, ErrorKind::kBuffer, where() + ": " + why);
+  }
+  out->itemsize = (int(t.dtype.bits) * int(t.dtype.lanes) + 7) / 8;
+  uintptr_t base = reinterpret_cast<uintptr_t>(t.data);
+  if (out->layout.numel != 0 && base == 0) {
+    // A view of address 0 is no array; jaxlib would hand back garbage.
+    return Fail(err, ErrorKind::kBuffer,
+                where() + " has a null data pointer; only tensors without "
+                        "elements may have one");
+  }
+  if (out->layout.numel != 0 && t.byte_offset > UINTPTR_MAX - base) {
+    return Fail(err, ErrorKind::kBuffer,
+                where() + ": data " + std::to_string(base) + " + byte_offset " +
+                    std::to_string(t.byte_offset) +
+                    " wraps past the top of the 64-bit address space");
+  }
+  out->data = base + t.byte_offset;  // unused (may wrap) when there are no elements
+  if (!CheckEnvelope(out->data, out->layout, out->itemsize, &why)) {
+    return Fail(err, ErrorKind::kBuffer,
+                where() + " at address " + std::to_string(out->data) + ": " +
+                    why + "; the producer's pointer or strides are wrong");
+  }
+  return true;
 }
 
 int64_t LiveTensors() { return g_live.load(); }

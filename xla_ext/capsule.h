@@ -7,8 +7,11 @@
 #include <Python.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "dlpack_abi.h"
+#include "error.h"
+#include "layout.h"
 
 namespace jxo {
 
@@ -59,6 +62,20 @@ struct CapsuleView {
   const dl::Tensor* tensor = nullptr;
 };
 bool InspectCapsule(PyObject* capsule, CapsuleView* out);
+
+// What a tensor from any producer describes, checked as far as anything can
+// be without touching its memory: ndim 0 to 64 with a shape, sizes >= 0, an
+// element count and strides that fit in int64, a data pointer when there are
+// elements, and bytes (from data + byte_offset) that lie inside the address
+// space.  False with a BufferError-kind `err` otherwise.
+struct TensorGeometry {
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // empty when the tensor has none
+  Layout layout;
+  uintptr_t data = 0;  // data + byte_offset: element 0
+  int itemsize = 0;    // bytes per element, rounded up for sub-byte types
+};
+bool CheckTensor(const dl::Tensor& t, TensorGeometry* out, Error* err);
 
 // Counters for lifetime tests.
 int64_t LiveTensors();

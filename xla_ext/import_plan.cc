@@ -75,31 +75,16 @@ bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
 }
 
 bool DescribeTensor(const dl::Tensor& t, CaiSpec* out, Error* err) {
-  if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && !t.shape)) {
-    return Fail(err, ErrorKind::kBuffer,
-                "the DLPack tensor has ndim " + std::to_string(t.ndim) +
-                    "; 0 to 64 with a shape are accepted");
-  }
-  out->shape.assign(t.shape, t.shape + t.ndim);
-  out->strides.clear();
-  if (t.strides) out->strides.assign(t.strides, t.strides + t.ndim);
-  for (int64_t n : out->shape) {
-    if (n < 0) {
-      return Fail(err, ErrorKind::kBuffer,
-                  "the DLPack tensor has a negative dimension " +
-                      std::to_string(n));
-    }
-  }
-  const char* why = nullptr;
-  if (!AnalyzeLayout(out->shape, out->strides, &out->layout, &why)) {
-    return Fail(err, ErrorKind::kBuffer,
-                std::string("the DLPack tensor's ") + why);
-  }
+  TensorGeometry g;
+  if (!CheckTensor(t, &g, err)) return false;
   out->version = 0;
-  out->data = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
+  out->shape = std::move(g.shape);
+  out->strides = std::move(g.strides);
+  out->layout = g.layout;
+  out->data = g.data;
   out->dtype = t.dtype;
   out->typestr = DtypeToTypestr(t.dtype);
-  out->itemsize = (t.dtype.bits * t.dtype.lanes + 7) / 8;
+  out->itemsize = g.itemsize;
   return true;
 }
 

@@ -94,4 +94,26 @@ bool AnalyzeLayout(const std::vector<int64_t>& shape,
   return true;
 }
 
+bool CheckEnvelope(uintptr_t data, const Layout& layout, int64_t itemsize,
+                   const char** error) {
+  int64_t bytes;
+  if (MulOverflow(layout.span, itemsize, &bytes)) {
+    *error = "the memory it spans in bytes overflows int64";
+    return false;
+  }
+  if (layout.numel == 0 || bytes == 0) return true;
+  // low <= 0 and |low| < span, so this product fits as well.
+  uint64_t below = static_cast<uint64_t>(-layout.low) * uint64_t(itemsize);
+  if (data < below) {
+    *error = "its elements reach below address 0";
+    return false;
+  }
+  uint64_t start = data - below;
+  if (uint64_t(bytes) - 1 > UINT64_MAX - start) {
+    *error = "its elements reach past the top of the 64-bit address space";
+    return false;
+  }
+  return true;
+}
+
 }  // namespace jxo

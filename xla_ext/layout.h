@@ -30,6 +30,15 @@ bool AnalyzeLayout(const std::vector<int64_t>& shape,
                    const std::vector<int64_t>& strides, Layout* out,
                    const char** error);
 
+// Checks the bytes an array of `layout` touches when its element 0 is at
+// address `data` (elements of `itemsize` bytes): their count must fit in
+// int64 and they must lie inside the 64-bit address space, below or above.
+// A wrapped envelope is not a pointer any consumer can read, and the
+// envelope copy would compute addresses from it.  Returns false (and sets
+// *error) otherwise; arrays without elements touch nothing and pass.
+bool CheckEnvelope(uintptr_t data, const Layout& layout, int64_t itemsize,
+                   const char** error);
+
 }  // namespace jxo
 
 #endif  // JAX_OVERLAY_XLA_EXT_LAYOUT_H_

@@ -124,6 +124,12 @@ PYBIND11_MODULE(_xla_ext, m) {
       .def_property_readonly("shape",
                              [](const CaiSpec& s) { return Tuple(s.shape); })
       .def_property_readonly(
+          "dtype",
+          [](const CaiSpec& s) {
+            return py::make_tuple(s.dtype.code, s.dtype.bits, s.dtype.lanes);
+          },
+          "The DLPack (code, bits, lanes).")
+      .def_property_readonly(
           "strides",
           [](const CaiSpec& s) -> py::object {
             if (s.strides.empty() && !s.shape.empty()) return py::none();

@@ -157,6 +157,9 @@ TEST(Typestr) {
               ErrorKind::kType, "is not a NumPy type string");
   ExpectError(ParseWith("typestr", PyBytes_FromString("<f4")),
               ErrorKind::kType, "['typestr'] must be a str, got bytes");
+  // The whole string counts: it used to be read up to the NUL, as '<f4'.
+  ExpectError(ParseWith("typestr", PyUnicode_FromStringAndSize("<f4\0junk", 8)),
+              ErrorKind::kType, "['typestr'] '<f4\\x00junk' has a NUL character");
 }
 
 TEST(TypestrToDtypeCodes) {
@@ -187,6 +190,10 @@ TEST(Data) {
               "['data'] must be a tuple (pointer: int, read_only: bool)");
   ExpectError(ParseWith("data", Py_BuildValue("(iO)", 0, Py_False)),
               ErrorKind::kValue, "is a null pointer");
+  // 2x3 float32 is 24 bytes: from 2**64 - 16 they would wrap to address 8.
+  ExpectError(ParseWith("data", Py_BuildValue("(KO)", ~0ULL - 15, Py_False)),
+              ErrorKind::kValue, "reach past the top of the 64-bit address space");
+  CHECK(ParseWith("data", Py_BuildValue("(KO)", ~0ULL - 23, Py_False)).ok);
 }
 
 TEST(NullPointerIsFineForZeroSize) {

@@ -242,6 +242,68 @@ TEST(VersionedToLegacyRefusesOtherObjects) {
   Py_DECREF(owner);
 }
 
+// CheckTensor on a 6-element float32 tensor with one field changed.
+std::string CheckWith(void (*change)(dl::Tensor*)) {
+  static int64_t shape[1] = {6};
+  dl::Tensor t{};
+  t.data = kData;
+  t.device = {dl::kCPU, 0};
+  t.ndim = 1;
+  t.dtype = {dl::kFloat, 32, 1};
+  t.shape = shape;
+  change(&t);
+  jxo::TensorGeometry g;
+  jxo::Error err;
+  if (jxo::CheckTensor(t, &g, &err)) return "(ok)";
+  CHECK_EQ(err.kind, jxo::ErrorKind::kBuffer);
+  return err.message;
+}
+
+TEST(CheckTensorAcceptsAPlainTensor) {
+  CHECK_EQ(CheckWith([](dl::Tensor*) {}), std::string("(ok)"));
+  // No elements: no memory, so no pointer is needed.
+  CHECK_EQ(CheckWith([](dl::Tensor* t) {
+             static int64_t empty[2] = {0, 3};
+             t->ndim = 2;
+             t->shape = empty;
+             t->data = nullptr;
+           }),
+           std::string("(ok)"));
+  // Nor does a byte_offset that would wrap: nothing is ever read there.
+  CHECK_EQ(CheckWith([](dl::Tensor* t) {
+             static int64_t empty[1] = {0};
+             t->shape = empty;
+             t->byte_offset = ~0ull;
+           }),
+           std::string("(ok)"));
+}
+
+TEST(CheckTensorRefusesWhatNoConsumerCanRead) {
+  CHECK_CONTAINS(CheckWith([](dl::Tensor* t) { t->ndim = -1; }), "ndim -1");
+  CHECK_CONTAINS(CheckWith([](dl::Tensor* t) { t->shape = nullptr; }),
+                 "ndim 1 and no shape");
+  CHECK_CONTAINS(CheckWith([](dl::Tensor* t) {
+                   static int64_t neg[1] = {-6};
+                   t->shape = neg;
+                 }),
+                 "shape (-6,) has a negative dimension");
+  // These three were accepted before and imported as garbage or wrapped.
+  CHECK_CONTAINS(CheckWith([](dl::Tensor* t) { t->data = nullptr; }),
+                 "has a null data pointer");
+  CHECK_CONTAINS(CheckWith([](dl::Tensor* t) { t->byte_offset = ~0ull; }),
+                 "wraps past the top of the 64-bit address space");
+  CHECK_CONTAINS(CheckWith([](dl::Tensor* t) {
+                   t->data = reinterpret_cast<void*>(~uintptr_t{0} - 15);
+                 }),
+                 "reach past the top of the 64-bit address space");
+  CHECK_CONTAINS(CheckWith([](dl::Tensor* t) {
+                   static int64_t huge[1] = {int64_t{1} << 61};
+                   t->shape = huge;
+                   t->dtype.bits = 64;
+                 }),
+                 "in bytes overflows int64");
+}
+
 int main(int, char**) {
   Py_InitializeEx(0);
   int rc = ::check::RunAll("capsule_test");

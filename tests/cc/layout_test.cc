@@ -116,4 +116,29 @@ TEST(OverflowIsAnErrorNotAWrap) {
            std::string("the strides reach beyond int64"));
 }
 
+std::string Envelope(uintptr_t data, const Dims& shape, const Dims& strides,
+                     int64_t itemsize) {
+  Layout l = Analyze(shape, strides);
+  const char* error = nullptr;
+  if (jxo::CheckEnvelope(data, l, itemsize, &error)) return "(fits)";
+  return error ? error : "(no message)";
+}
+
+TEST(EnvelopeMustFitTheAddressSpace) {
+  const uintptr_t top = UINTPTR_MAX;  // the last byte of the address space
+  CHECK_EQ(Envelope(top - 23, {6}, {}, 4), std::string("(fits)"));
+  CHECK_EQ(Envelope(top - 22, {6}, {}, 4),
+           std::string("its elements reach past the top of the 64-bit address space"));
+  CHECK_EQ(Envelope(top, {1}, {}, 1), std::string("(fits)"));
+  // Negative strides: element 0 is the highest, the envelope ends after it.
+  CHECK_EQ(Envelope(top - 3, {4}, {-1}, 4), std::string("(fits)"));
+  CHECK_EQ(Envelope(12, {4}, {-1}, 4), std::string("(fits)"));
+  CHECK_EQ(Envelope(11, {4}, {-1}, 4),
+           std::string("its elements reach below address 0"));
+  CHECK_EQ(Envelope(16, {int64_t{1} << 61}, {}, 8),
+           std::string("the memory it spans in bytes overflows int64"));
+  // No elements, no memory: any pointer will do.
+  CHECK_EQ(Envelope(top, {0, 5}, {}, 16), std::string("(fits)"));
+}
+
 CHECK_MAIN()

@@ -80,6 +80,9 @@ BAD = [
     (dict(typestr="f4"), TypeError, ["'f4'"]),
     (dict(typestr="<fx"), TypeError, ["'<fx'"]),
     (dict(typestr="<b2"), TypeError, ["'<b2'"]),
+    # Read to its end, not to the first NUL (it used to parse as '<f4').
+    (dict(typestr="<f4\x00junk"), TypeError, ["typestr", "'<f4\\x00junk'", "NUL"]),
+    (dict(typestr="<f4\x00"), TypeError, ["typestr", "NUL"]),
     (dict(data=KeyError), TypeError, ["'data'"]),
     (dict(data=4096), TypeError, ["data", "tuple"]),
     (dict(data=(4096,)), TypeError, ["data"]),
@@ -94,6 +97,10 @@ BAD = [
     (dict(strides=12), TypeError, ["strides", "tuple"]),
     (dict(strides=(2**62, 2**62)), ValueError, ["strides", "int64"]),
     (dict(strides=(-12, 4), data=(8, False)), ValueError, ["below address 0"]),
+    # 24 bytes from 2**64 - 16 would wrap around to address 8.
+    (dict(data=(2**64 - 16, False)), ValueError, ["data", "18446744073709551600",
+                                                  "past the top of the 64-bit address space"]),
+    (dict(data=(2**64 - 24, False)), None, None),
     (dict(mask=np.zeros(6, bool)), BufferError, ["mask", "masked"]),
     (dict(stream=0), ValueError, ["stream", "0", "forbids"]),
     (dict(stream=-2), ValueError, ["stream", "non-negative"]),

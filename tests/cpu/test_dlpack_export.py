@@ -139,3 +139,22 @@ def test_deleted_and_not_arrays():
         E.to_dlpack(x)
     with pytest.raises(TypeError, match="expected a jax.Array"):
         E.to_dlpack(np.ones(2))
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(max_version=(1,)), "max_version=(1,)"), (dict(max_version="ab"), "max_version='ab'"),
+    (dict(max_version=1), "max_version=1"), (dict(dl_device=(1,)), "dl_device=(1,)"),
+    (dict(dl_device="1:"), "dl_device='1:'"), (dict(dl_device=True), "dl_device=True"),
+    (dict(copy="yes"), "copy='yes'"), (dict(copy=1.0), "copy=1.0")])
+def test_malformed_requests_are_type_errors(kwargs, words):
+    """Found by fuzzing: max_version=(1,) gave a legacy capsule, the others
+    an IndexError or a TypeError/ValueError that named nothing."""
+    with pytest.raises(TypeError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        E.to_dlpack(on_cpu(jnp.ones(3)), **kwargs)
+
+
+def test_dl_device_on_a_gpu_jax_does_not_see():
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("this checks the error where no GPU is visible")
+    with pytest.raises(BufferError, match=r"dl_device=\(2, 0\)"):
+        E.to_dlpack(on_cpu(jnp.ones(3)), dl_device=(2, 0))

@@ -194,3 +194,123 @@ def test_unaligned_cpu_memory_with_copy_false():
     v[...] = np.arange(16)
     x = D.from_dlpack(v)  # jaxlib copies unaligned host memory itself
     np.testing.assert_array_equal(np.asarray(x), np.arange(16))
+
+
+def _patch_byte_offset(cap, value):
+    """Sets byte_offset of our own legacy capsule's tensor (offset 40)."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    ctypes.c_uint64.from_address(get(cap, b"dltensor") + 40).value = value
+
+
+@pytest.mark.parametrize("case", ["null", "offset_wraps", "past_top", "bytes_overflow"])
+def test_tensors_no_consumer_can_read_are_refused(case):
+    """Found by fuzzing: these were imported (a null pointer as garbage data)
+    or reached jaxlib, which raised RuntimeError."""
+    a = aligned((6,))
+    data, shape, dtype = a.ctypes.data, [6], "<f4"
+    if case == "null":
+        data = 0
+    elif case == "past_top":
+        data = 2**64 - 16
+    elif case == "bytes_overflow":
+        shape, dtype = [2**61], "<f8"
+    cap = ext.raw_capsule(a, data, shape, None, dtype, 1, 0)
+    if case == "offset_wraps":
+        _patch_byte_offset(cap, 2**64 - 8)
+    words = {"null": "null data pointer", "offset_wraps": "byte_offset",
+             "past_top": "past the top", "bytes_overflow": "overflows int64"}[case]
+    with pytest.raises(BufferError, match=words):
+        D.from_dlpack(cap)
+
+
+@pytest.mark.parametrize("dtype,why", [
+    ((0, 4, 1), "sub-byte"), ((1, 2, 1), "sub-byte"), ((17, 4, 1), "sub-byte"),
+    ((2, 32, 2), "one lane"), ((3, 64, 1), "no such dtype"),
+    ((2, 12, 1), "no such dtype"), ((99, 8, 1), "no such dtype")])
+def test_dtypes_jax_cannot_hold_are_buffer_errors(dtype, why):
+    """Found by fuzzing: these reached jaxlib, which raised its own
+    RuntimeError (JaxRuntimeError: UNIMPLEMENTED ...)."""
+    a = aligned((8,))
+    owner = T.HostCAI(a)
+    ref = weakref.ref(owner)
+    cap = ext.raw_capsule(owner, a.ctypes.data, [4], None, dtype, 1, 0)
+    del owner
+    code, bits, lanes = dtype
+    with pytest.raises(BufferError, match=f"code {code}, bits {bits}, lanes {lanes}.*{why}"):
+        D.from_dlpack(cap)
+    del cap
+    gc.collect()
+    assert ref() is None, "the refused tensor must be freed"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_zero_size_of_non_numpy_dtypes(dtype):
+    """Found by fuzzing: 'a zero-size array of this dtype cannot be imported'."""
+    src = jax.device_put(jnp.zeros((0, 3), dtype), jax.devices("cpu")[0])
+    x = D.from_dlpack(src)
+    assert x.shape == (0, 3) and x.dtype == dtype
+
+
+@pytest.mark.parametrize("device", [None, (1,), (1, 0, 0), "10", (1.5, 0), (1, "0")])
+def test_malformed_dlpack_device_is_a_clear_type_error(device):
+    """Found by fuzzing: these gave 'not enough values to unpack' or
+    "'NoneType' object is not iterable", or (1.5, 0) was read as (1, 0)."""
+    p = Producer(aligned((3,)), device=device)
+    with pytest.raises(TypeError, match=r"__dlpack_device__\(\) returned .*\(device_type: int"):
+        D.from_dlpack(p)
+    assert p.asked == [], "no capsule may be asked for"
+
+
+def test_dlpack_device_accepts_int_enums():
+    """PyTorch and JAX answer with an IntEnum, others with NumPy ints."""
+    import enum
+
+    class DLDeviceType(enum.IntEnum):
+        kDLCPU = 1
+
+    p = Producer(aligned((3,)), device=(DLDeviceType.kDLCPU, np.int64(0)))
+    np.testing.assert_array_equal(np.asarray(D.from_dlpack(p)), p.array)
+
+
+@pytest.mark.parametrize("dtype,code", [(jnp.bfloat16, (4, 16, 1)),
+                                        (jnp.float8_e4m3fn, (10, 8, 1))])
+@pytest.mark.parametrize("view", ["strided", "negative", "misaligned"])
+def test_strided_bfloat16_and_float8_are_one_copy(dtype, code, view):
+    """Found by fuzzing: 'a strided or misaligned array of this dtype cannot
+    be copied on import' for dtypes without a NumPy type string."""
+    raw = T.aligned_empty((64,), np.uint8)
+    base = raw[:48].view(dtype)
+    base[...] = np.arange(base.size).astype(dtype)
+    if view == "strided":
+        v, ptr, strides = base[::3], base.ctypes.data, [3]
+    elif view == "negative":
+        v, ptr, strides = base[::-2], base[-1:].ctypes.data, [-2]
+    else:  # an odd address: bfloat16 elements straddle it, so bytes are gathered
+        v = raw[1:17].view(dtype)
+        ptr, strides = v.ctypes.data, None
+    cap = ext.raw_capsule(raw, ptr, list(v.shape), strides, code, 1, 0)
+    x = D.from_dlpack(cap)
+    assert x.dtype == dtype and x.shape == v.shape
+    assert np.asarray(x).tobytes() == np.ascontiguousarray(v).tobytes()
+
+
+@pytest.mark.parametrize("dtype,code", [
+    (jnp.float8_e5m2, (12, 8, 1)), (jnp.float8_e4m3fn, (10, 8, 1)),
+    (jnp.bfloat16, (4, 16, 1)), (np.float16, (2, 16, 1)), (np.float32, (2, 32, 1))])
+def test_strided_copy_keeps_every_bit(dtype, code):
+    """Found by fuzzing: the copy of a strided float8_e5m2 tensor rewrote NaN
+    payloads (0x7d, 0xfe, ... became 0x7f): XLA's CPU gather went through a
+    wider float.  Every bit pattern, NaNs included, must survive the copy."""
+    k = np.dtype(dtype).itemsize
+    n = 256 if k == 1 else 1024
+    rng = np.random.default_rng(0)
+    patterns = np.arange(256, dtype=np.uint8) if k == 1 else rng.integers(
+        0, 256, n * k, dtype=np.uint8)
+    raw = T.aligned_empty((2 * n * k,), np.uint8)
+    raw[...] = 0
+    both = raw.view(np.dtype(f"u{k}")).reshape(n, 2)
+    both[:, 0] = patterns.view(np.dtype(f"u{k}"))  # every other element
+    cap = ext.raw_capsule(raw, raw.ctypes.data, [n], [2], code, 1, 0)
+    x = D.from_dlpack(cap)
+    assert np.asarray(x).tobytes() == patterns.tobytes()

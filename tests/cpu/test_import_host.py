@@ -199,3 +199,15 @@ def test_envelope_plan():
     assert _strided.plan(0x1001, 0, 2, 4, 0, 16) == (0x1000, 9, 1, 1)
     with pytest.raises(BufferError, match="allocation"):
         _strided.plan(0x1004, 0, 4, 4, 0x1002, 16)
+
+
+def test_copy_false_on_host_memory_jaxlib_will_not_view():
+    """Found by fuzzing: jaxlib views host memory only when 64-byte aligned;
+    a 16-byte aligned array with copy=False raised jaxlib's own
+    JaxRuntimeError instead of BufferError."""
+    raw = T.aligned_empty((160,), np.uint8, alignment=64)
+    v = raw[16:144].view(np.float32)  # 16-byte but not 64-byte aligned
+    v[...] = np.arange(32)
+    with pytest.raises(BufferError, match="without a copy"):
+        T.import_host(T.HostCAI(v), copy=False)
+    np.testing.assert_array_equal(np.asarray(T.import_host(T.HostCAI(v))), np.arange(32))
