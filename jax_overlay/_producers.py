@@ -69,10 +69,33 @@ def seed(n=JAX_N):
     return jnp.ones(n, jnp.float32)
 
 
+@jax.jit
+def _fill(k, start):
+    return jnp.where(start > -1e30, k, 0.0).astype(jnp.float32)
+
+
+@functools.cache
+def _hold_target():
+    import cupy as cp
+    return cp.empty(1, cp.float32)
+
+
 def jax_fill(k, *, steps=300, n=JAX_N):
-    """A JAX array of `n` values exactly `k`, written after `steps` passes
-    over it on XLA's compute stream (n = 4 Mi, 300 steps: a few ms; 20000:
-    a few hundred).  The loop starts from an argument, not a constant, so XLA
-    cannot fold it away: a producer that is done before its consumer reads
-    proves nothing."""
-    return jax_busy(float(k), seed(n), steps)
+    """A JAX array of `n` values exactly `k` that stays pending for about
+    `steps` / 100 ms (300: 3 ms; 20000: 200 ms) after dispatch: XLA's compute
+    stream is first held by a spin kernel, then one fill kernel is
+    dispatched behind it.  A loop of `steps` passes over the data did the
+    same in most processes, but in some the whole loop ran within the
+    dispatch call (seen on the H200 with jax 0.11.2: the array was ready
+    0.1 ms after a 20000-step dispatch returned), and a producer that is
+    done before its consumer reads proves nothing.  Without CuPy, the loop."""
+    start = seed(n)
+    try:
+        import cupy as cp
+    except ImportError:
+        return jax_busy(float(k), start, steps)
+    from . import _runtime as rt
+    device, = start.devices()
+    held = cp.cuda.ExternalStream(rt.compute_stream(device))
+    spin_fill(_hold_target(), 0.0, ms=steps / 100, stream=held)
+    return _fill(float(k), start)
