@@ -16,7 +16,6 @@ lines) when it is set.
 from __future__ import annotations
 
 import collections
-import gc
 import json
 import os
 import sys
@@ -70,6 +69,15 @@ def count_elements(shape):
         if not fits_int64(numel):
             overflowed = True
     return numel, overflowed
+
+
+def huge_empty(shape, itemsize):
+    """An array without elements whose other dimensions NumPy still refuses
+    ("array is too big"): their bytes would not fit in int64."""
+    nonzero = 1
+    for n in shape:
+        nonzero *= max(n, 1)
+    return 0 in shape and nonzero * itemsize > INT64_MAX
 
 
 def envelope(shape, strides):
@@ -177,16 +185,6 @@ def check_outcome(run, verdict, words, *, check_array):
     del arr
     assert ok, "the array differs from what the producer described"
     return "array"
-
-
-def settle(condition, what):
-    """Asserts `condition()`; a reference cycle may hold the last reference,
-    so one full collection is allowed before it counts as a leak (a full
-    collection per case would cost more than the case)."""
-    if condition():
-        return
-    gc.collect()
-    assert condition(), what
 
 
 def refcount(obj):
