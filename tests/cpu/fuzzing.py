@@ -114,15 +114,21 @@ def host_buffer(nbytes, rng, bool_bytes=False):
 def reference(buf, pointer, shape, dtype, byte_strides):
     """What the producer described, read by NumPy from `buf`, or None when the
     description reaches outside `buf` (a case no consumer could survive: the
-    caller skips it)."""
+    caller skips it).  The bounds are computed here, exactly: NumPy's own
+    check of a buffer's size overflows for sizes near 2**63 and would hand
+    back an 8 EiB view of a small buffer."""
     dtype = np.dtype(dtype)
-    offset = pointer - buf.ctypes.data
-    if not 0 <= offset < buf.nbytes:
+    if byte_strides is None:
+        byte_strides, acc = [], dtype.itemsize
+        for n in reversed(shape):
+            byte_strides.insert(0, acc)
+            acc *= n
+    low = sum(min(0, (n - 1) * s) for n, s in zip(shape, byte_strides))
+    high = sum(max(0, (n - 1) * s) for n, s in zip(shape, byte_strides))
+    base = buf.ctypes.data
+    if pointer + low < base or pointer + high + dtype.itemsize > base + buf.nbytes:
         return None
-    try:
-        return np.ndarray(shape, dtype, buffer=buf, offset=offset, strides=byte_strides)
-    except (ValueError, TypeError, OverflowError):
-        return None
+    return np.ndarray(shape, dtype, buffer=buf, offset=pointer - base, strides=byte_strides)
 
 
 def same_data(got, want) -> bool:
