@@ -5,7 +5,10 @@ and forge DLPack capsules field by field, as a buggy producer would."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import itertools
+import threading
+import time
 
 import numpy as np
 
@@ -44,6 +47,22 @@ def import_host(obj, *, copy=None, device=None):
     memory: the same native plan and Python path, with kDLCPU capsules."""
     arr, copied = _imports.import_cai(obj, copy=copy, host=True)
     return _imports.finish(arr, copied, device=device, copy=copy)
+
+
+def settle(condition, what, timeout=30.0):
+    """Asserts `condition()` once what a test started has finished.  A
+    reference cycle may hold the last reference (one full collection is
+    allowed: one per case would cost more than the case), and a copy made by
+    JAX (copy=True, device=...) releases its source when XLA's thread drops
+    its hold, just after the copy is ready: so poll, bounded by a timeout no
+    healthy run comes near."""
+    if condition():
+        return
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
 
 
 class DLPackHolder:
@@ -132,10 +151,12 @@ _capsule_set_context = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.
 _forged: dict[int, tuple] = {}   # struct address -> (id, struct, keep-alives, name pointer)
 _forged_ids: dict[int, int] = {}  # id -> struct address
 forged_deletes: dict[int, int] = {}  # id -> deleter calls; -1 counts calls for no live tensor
+forged_delete_threads: set[int] = set()  # threading.get_ident() of every deleter call
 _ids = itertools.count(1)
 
 
 def _release(address):
+    forged_delete_threads.add(threading.get_ident())
     entry = _forged.pop(address, None)
     key = -1 if entry is None else entry[0]
     forged_deletes[key] = forged_deletes.get(key, 0) + 1

@@ -5,6 +5,9 @@
 # and reported as one (with the faulthandler's traceback) instead of ending
 # this script.  Prints the cases run per property and their outcomes.
 #   tools/fuzz.sh [PYTHON] [EXAMPLES] [-- EXTRA PYTEST ARGS, e.g. --hypothesis-seed=1]
+# JAX_OVERLAY_FUZZ_SEED=N repeats a run (the seed is printed).  Failures are
+# reported with native tracebacks: pytest's own would print the arguments of
+# every frame, and an array over memory a bug freed could crash the report.
 # Exit status: 0 when every case passed, 1 for a failing case, 2 for a crash.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,21 +18,24 @@ shift $(( $# < 2 ? $# : 2 ))
 [[ ${1:-} == -- ]] && shift
 
 "$PY" setup.py -q build_ext --inplace || exit 1
+SEED=${JAX_OVERLAY_FUZZ_SEED:-$((RANDOM * 32768 + RANDOM))}
 report=$(mktemp)
 log=$(mktemp)
 start=$SECONDS
 JAX_OVERLAY_FUZZ_EXAMPLES=$EXAMPLES JAX_OVERLAY_FUZZ_REPORT=$report \
-  "$PY" -X faulthandler -m pytest -q -p no:cacheprovider \
-  tests/cpu/test_fuzz_cai.py tests/cpu/test_fuzz_dlpack.py "$@" >"$log" 2>&1
+  "$PY" -X faulthandler -m pytest -q -p no:cacheprovider --tb=native \
+  --hypothesis-seed="$SEED" tests/cpu/test_fuzz_cai.py tests/cpu/test_fuzz_dlpack.py "$@" \
+  >"$log" 2>&1
 rc=$?
 elapsed=$((SECONDS - start))
 
-"$PY" - "$report" "$rc" "$elapsed" "$EXAMPLES" <<'EOF'
+"$PY" - "$report" "$rc" "$elapsed" "$EXAMPLES" "$SEED" <<'EOF'
 import json, sys
-path, rc, elapsed, examples = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+path, rc, elapsed, examples, seed = sys.argv[1:6]
+rc = int(rc)
 rows = [json.loads(line) for line in open(path)]
 total = sum(r["cases"] for r in rows)
-print(f"fuzz.sh: {examples} cases per property, {elapsed} s")
+print(f"fuzz.sh: {examples} cases per property, seed {seed}, {elapsed} s")
 for r in rows:
     outcomes = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
     print(f"  {r['property']:<24} {r['cases']:>8} cases: {outcomes}")
