@@ -37,6 +37,8 @@ def stage(src, suites):
     shutil.copy(src / "tests" / "conftest.py", dest / "tests")
     for suite in suites:
         shutil.copytree(src / suite, dest / suite)
+    if (src / "benchmarks").is_dir():  # the GPU suite runs the stress script
+        shutil.copytree(src / "benchmarks", dest / "benchmarks")
     return dest
 
 

@@ -1,0 +1,53 @@
+"""The GPU stress run's planning and reporting (benchmarks/stress_gpu.py),
+which need no GPU: trials are reproducible from the seed, draw only what a
+producer library supports, and are counted exactly."""
+
+import importlib.util
+import pathlib
+
+_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "stress_gpu.py"
+_spec = importlib.util.spec_from_file_location("stress_gpu_plan", _PATH)
+stress = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(stress)
+
+ALL = {"cupy", "torch", "numba", "numba_dlpack"}
+
+
+def test_plan_is_reproducible_and_seed_dependent():
+    a = stress.plan("cai_import", 50, 3, ALL)
+    assert a == stress.plan("cai_import", 50, 3, ALL)
+    assert a != stress.plan("cai_import", 50, 4, ALL)
+    assert a != stress.plan("dlpack_import", 50, 3, ALL)
+
+
+def test_plan_draws_only_supported_combinations():
+    for path in stress.PATHS:
+        for t in stress.plan(path, 400, 0, ALL):
+            assert t["lib"] in stress.producers_for(path, ALL)
+            assert t["stream"] in stress.streams_for(t["lib"])
+            assert t["dtype"] in stress.dtypes_for(t["lib"])
+            assert stress.V_RANGE[0] <= t["v"] <= stress.V_RANGE[1]
+            assert stress.W_RANGE[0] <= t["w"] <= stress.W_RANGE[1]
+            assert t["v"] != stress.Z
+
+
+def test_plan_covers_every_producer_and_stream():
+    seen = {(t["lib"], t["stream"]) for t in stress.plan("cai_import", 2000, 0, ALL)}
+    assert seen == {(lib, s) for lib in ("cupy", "torch", "numba")
+                    for s in stress.streams_for(lib)}
+
+
+def test_missing_libraries_are_not_drawn():
+    assert stress.plan("cai_export_torch", 10, 0, {"cupy"}) == []
+    assert {t["lib"] for t in stress.plan("dlpack_import", 300, 0, {"cupy", "numba"})} == {"cupy"}
+    assert "bfloat16" not in stress.dtypes_for("cupy")
+
+
+def test_summarize_counts_each_outcome():
+    trials = stress.plan("cai_import", 6, 0, {"cupy"})
+    codes = [stress.OK, stress.OK, stress.STALE, stress.REUSED, stress.OTHER, stress.OK]
+    r = stress.summarize("cai_import", trials, codes, [True, False] * 3, 1.234)
+    assert (r["trials"], r["ok"], r["stale"], r["reused"], r["other"], r["in_flight"]) == (6, 3, 1, 1, 1, 3)
+    assert sum(sum(c.values()) for c in r["by_producer_stream"].values()) == 6
+    text = stress.table({"paths": {"cai_import": r}, "controls": {}})
+    assert "cai_import" in text and text.splitlines()[2].split()[1:6] == ["6", "3", "1", "1", "1"]
