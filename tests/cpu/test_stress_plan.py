@@ -25,7 +25,7 @@ def test_plan_draws_only_supported_combinations():
         for t in stress.plan(path, 400, 0, ALL):
             assert t["lib"] in stress.producers_for(path, ALL)
             assert t["stream"] in stress.streams_for(t["lib"])
-            assert t["dtype"] in stress.dtypes_for(t["lib"])
+            assert t["dtype"] in stress.dtypes_for(t["lib"], path)
             assert stress.V_RANGE[0] <= t["v"] <= stress.V_RANGE[1]
             assert stress.W_RANGE[0] <= t["w"] <= stress.W_RANGE[1]
             assert t["v"] != stress.Z
@@ -40,7 +40,11 @@ def test_plan_covers_every_producer_and_stream():
 def test_missing_libraries_are_not_drawn():
     assert stress.plan("cai_export_torch", 10, 0, {"cupy"}) == []
     assert {t["lib"] for t in stress.plan("dlpack_import", 300, 0, {"cupy", "numba"})} == {"cupy"}
-    assert "bfloat16" not in stress.dtypes_for("cupy")
+    assert "bfloat16" not in stress.dtypes_for("cupy", "dlpack_import")
+    # The CAI has no typestr for bfloat16: only PyTorch over DLPack draws it.
+    assert "bfloat16" not in stress.dtypes_for("torch", "cai_import")
+    assert "bfloat16" in stress.dtypes_for("torch", "dlpack_export_torch")
+    assert {t["dtype"] for t in stress.plan("cai_export_torch", 500, 0, ALL)} == set(stress.DTYPES) - {"bfloat16"}
 
 
 def test_summarize_counts_each_outcome():
