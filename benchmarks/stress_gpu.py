@@ -43,6 +43,7 @@ import platform
 import random
 import sys
 import time
+import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -263,7 +264,13 @@ class Gpu:
         if layout == "transposed" and n >= 8:
             rows = n // 4
             v = base[: rows * 4].reshape(rows, 4)
-            return v.T if lib != "torch" else v.t()
+            if lib == "torch":
+                return v.t()
+            if lib == "numba":
+                # Numba's .T launches a copy kernel; this is the view.
+                from numba.cuda.cudadrv.devicearray import DeviceNDArray
+                return DeviceNDArray((4, rows), v.strides[::-1], v.dtype, gpu_data=v.gpu_data)
+            return v.T
         return base
 
     def spin(self, lib, kind, ms):
@@ -423,7 +430,7 @@ class _Cai:
 def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print):
     gpu = Gpu()
     gpu.jax_overlay.install()
-    report = {"seed": seed, "batch": batch, "paths": {}, "controls": {},
+    report = {"seed": seed, "batch": batch, "paths": {}, "controls": {}, "errors": {},
               "have": sorted(gpu.have)}
     try:
         for path in paths or PATHS:
@@ -431,7 +438,12 @@ def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print):
             if not todo:
                 log(f"{path}: skipped (no producer library for it)")
                 continue
-            report["paths"][path] = _run_path(gpu, path, todo, batch, True)
+            try:
+                report["paths"][path] = _run_path(gpu, path, todo, batch, True)
+            except Exception:  # noqa: BLE001 - reported, fails the run, others still run
+                report["errors"][path] = traceback.format_exc()
+                log(f"{path}: ERROR\n{report['errors'][path]}")
+                continue
             log(f"{path}: {json.dumps({k: v for k, v in report['paths'][path].items() if k != 'by_producer_stream'})}")
         # Controls: ordering off, so the same checks must see stale reads.
         for name, path in [("control_cai_import_unordered", "cai_import"),
@@ -496,7 +508,9 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     controls_ok = all(r["trials"] > r["ok"] for r in report["controls"].values())
-    return 0 if bad == 0 and controls_ok else 1
+    for path in report["errors"]:
+        print(f"{path}: did not complete (error above)")
+    return 0 if bad == 0 and controls_ok and not report["errors"] else 1
 
 
 if __name__ == "__main__":

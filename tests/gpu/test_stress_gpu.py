@@ -18,6 +18,7 @@ _spec.loader.exec_module(stress)
 
 def test_stress_small():
     report = stress.run(trials=60, seed=1, batch=20, controls=40, log=lambda *a: None)
+    assert not report["errors"], report["errors"]
     assert report["paths"], "no path ran"
     for name, r in report["paths"].items():
         assert r["trials"] == 60, (name, r)
