@@ -427,7 +427,9 @@ class _Cai:
         self.x, self.__cuda_array_interface__ = x, cai
 
 
-def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print):
+def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print, save=None):
+    """The report; `save(report)` is called after every path, so a run cut
+    short keeps what it finished."""
     gpu = Gpu()
     gpu.jax_overlay.install()
     report = {"seed": seed, "batch": batch, "paths": {}, "controls": {}, "errors": {},
@@ -445,6 +447,8 @@ def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print):
                 log(f"{path}: ERROR\n{report['errors'][path]}")
                 continue
             log(f"{path}: {json.dumps({k: v for k, v in report['paths'][path].items() if k != 'by_producer_stream'})}")
+            if save:
+                save(report)
         # Controls: ordering off, so the same checks must see stale reads.
         for name, path in [("control_cai_import_unordered", "cai_import"),
                            ("control_cai_export_sync_off", "cai_export_cupy")]:
@@ -455,6 +459,8 @@ def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print):
                 r = report["controls"][name]
                 log(f"{name}: {r['trials'] - r['ok']} of {r['trials']} reads not V "
                     "(must be > 0: the detector works)")
+                if save:
+                    save(report)
     finally:
         gpu.jax_overlay.uninstall()
         gpu.jax.config.update("jax_enable_x64", gpu.x64)
@@ -495,9 +501,16 @@ def main(argv=None):
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
+    meta = {"versions": versions(), "trials_per_path": args.trials}
+
+    def save(partial):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**partial, **meta, "complete": False}, f, indent=1)
     report = run(args.trials, args.seed, args.batch,
-                 args.paths.split(",") if args.paths else None, args.controls)
-    report["versions"] = versions()
+                 args.paths.split(",") if args.paths else None, args.controls,
+                 log=lambda *a: print(*a, file=sys.stderr, flush=True), save=save)
+    report.update(meta, complete=True)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     bad = sum(r["stale"] + r["reused"] + r["other"] for r in report["paths"].values())
     report["failures"] = bad

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 
 import jax
 import numpy as np
@@ -152,6 +153,46 @@ def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
     ``read_only``: the exported flag (default ``config.cai_read_only``).
     Strides are given for any non-row-major layout JAX holds.
     """
+    facts = None
+    if type(x) is rt.ArrayImpl:
+        entry = _ready_facts.get(id(x))
+        # The weak reference proves the entry is this array's, not that of a
+        # dead one whose id was reused; a deleted or donated buffer is gone.
+        if entry is not None and entry[0]() is x and not x.is_deleted():
+            facts = entry[1]
+    ready = cacheable = facts is not None
+    if facts is None:
+        facts, cacheable = _facts(x)
+    ptr, typestr, shape, strides = facts
+    ro = config.cai_read_only if read_only is None else bool(read_only)
+    out_stream = None
+    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream <= 0):
+        raise ValueError(
+            f"stream={stream!r}: pass 1 (legacy), 2 (per-thread) or a CUDA "
+            "stream handle; 0 is ambiguous and not allowed")
+    if not ready:
+        ready = x.is_ready()
+        if ready and cacheable:
+            _remember(x, facts)
+    if config.cai_sync and (stream is not None or not ready):
+        out_stream = _LEGACY_STREAM if stream is None else stream
+        _order(x, out_stream)  # the dict cannot hold the reference: dropped
+    return {
+        "shape": shape,
+        "typestr": typestr,
+        "data": (ptr, ro),
+        "version": 3,
+        "strides": strides,
+        "stream": out_stream,
+        "descr": [("", typestr)],
+    }
+
+
+def _facts(x):
+    """((pointer, typestr, shape, strides), whether they may be kept) of an
+    exportable array, with every check of the export (TypeError, BufferError,
+    AttributeError).  Only a GPU array's are kept: a host array is exported
+    only while tests allow it."""
     if type(x) is not rt.ArrayImpl:
         _check(x)
     try:
@@ -160,29 +201,29 @@ def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
     except Exception:
         _check(x)
         raise
-    ordinal = _cuda_ordinal(ptr)
-    if ordinal is None:
+    on_gpu = _cuda_ordinal(ptr) is not None
+    if not on_gpu:
         _check(x)  # a CPU array: AttributeError, so hasattr() is False
     dtype = x.dtype
-    typestr = _typestr(dtype)
-    ro = config.cai_read_only if read_only is None else bool(read_only)
-    out_stream = None
-    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream <= 0):
-        raise ValueError(
-            f"stream={stream!r}: pass 1 (legacy), 2 (per-thread) or a CUDA "
-            "stream handle; 0 is ambiguous and not allowed")
-    if config.cai_sync and (stream is not None or not x.is_ready()):
-        out_stream = _LEGACY_STREAM if stream is None else stream
-        _order(x, out_stream)  # the dict cannot hold the reference: dropped
-    return {
-        "shape": x.shape,
-        "typestr": typestr,
-        "data": (ptr, ro),
-        "version": 3,
-        "strides": _strides(x, dtype.itemsize),
-        "stream": out_stream,
-        "descr": [("", typestr)],
-    }
+    facts = ptr, _typestr(dtype), x.shape, _strides(x, dtype.itemsize)
+    return facts, on_gpu and type(x) is rt.ArrayImpl
+
+
+# What the CAI of a *ready* array says never changes while the array lives
+# (its buffer, dtype, shape and layout are fixed, and it stays ready), and
+# consumers read the property again and again (CuPy twice per conversion):
+# those facts are kept per array, keyed by id(x).  The weak reference's
+# callback drops the entry when the array dies, before its id can be reused.
+_ready_facts: dict[int, tuple] = {}
+
+
+def _remember(x, facts):
+    key = id(x)
+    try:
+        ref = weakref.ref(x, lambda _, key=key: _ready_facts.pop(key, None))
+    except TypeError:  # an ArrayImpl without weak references: no cache
+        return
+    _ready_facts[key] = (ref, facts)
 
 
 def _cai_property(self):

@@ -203,3 +203,24 @@ def test_sharded_arrays_point_to_shards():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_kept_facts_go_with_the_array():
+    """The per-array entry of a ready GPU array's CAI facts is dropped by the
+    weak reference when the array dies (so a reused id finds nothing), and
+    an entry whose reference points elsewhere is never used."""
+    x = jnp.arange(3.0) + 0
+    key = id(x)
+    _exports._remember(x, ("facts",))
+    assert _exports._ready_facts[key][1] == ("facts",)
+    del x
+    assert key not in _exports._ready_facts
+    y = jnp.arange(3.0) + 0
+    z = jnp.arange(3.0) + 0
+    _exports._remember(z, (12345, "<f4", (3,), None))
+    # y under z's key: the reference check turns the forged entry away.
+    _exports._ready_facts[id(y)] = _exports._ready_facts.pop(id(z))
+    with pytest.raises(AttributeError, match="only defined for arrays on a CUDA GPU"):
+        _exports.cuda_array_interface(y)
+    _exports._ready_facts.pop(id(y), None)
+    del z

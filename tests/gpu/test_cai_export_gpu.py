@@ -153,3 +153,43 @@ def test_errors_on_gpu():
     x.delete()
     with pytest.raises(BufferError, match="deleted"):
         x.__cuda_array_interface__
+
+
+def test_ready_array_facts_are_kept_then_dropped():
+    """A ready array's CAI facts are kept per array (the property is read
+    again and again); each read is a fresh dict, deletion is still seen, and
+    the entry goes with the array."""
+    from jax_overlay import _exports
+    x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) + 0
+    x.block_until_ready()
+    first = x.__cuda_array_interface__
+    assert id(x) in _exports._ready_facts
+    again = x.__cuda_array_interface__
+    assert again == first and again is not first and again["descr"] is not first["descr"]
+    again["shape"] = (99,)
+    assert x.__cuda_array_interface__["shape"] == (3, 4)
+    assert x.__cuda_array_interface__["data"] == (x.unsafe_buffer_pointer(), False)
+    assert jax_overlay.cuda_array_interface(x, read_only=True)["data"][1] is True
+    assert cp.asarray(x).get().tolist() == np.arange(12).reshape(3, 4).tolist()
+    key = id(x)
+    x.delete()
+    with pytest.raises(BufferError, match="deleted or donated"):
+        x.__cuda_array_interface__
+    del x
+    assert key not in _exports._ready_facts
+
+
+def test_pending_array_is_ordered_until_ready_then_kept():
+    from jax_overlay import _exports
+    jax_fill(0.0, steps=20000).block_until_ready()
+    x = jax_fill(5.0, steps=20000)
+    assert not x.is_ready()
+    assert x.__cuda_array_interface__["stream"] == 1
+    assert id(x) not in _exports._ready_facts  # pending: not kept
+    # A stream the consumer names is ordered on every read, kept or not.
+    assert jax_overlay.cuda_array_interface(x, stream=2)["stream"] == 2
+    x.block_until_ready()
+    assert x.__cuda_array_interface__["stream"] is None
+    assert id(x) in _exports._ready_facts
+    assert jax_overlay.cuda_array_interface(x, stream=2)["stream"] == 2
+    assert float(cp.asarray(x).min()) == 5.0
