@@ -101,7 +101,10 @@ void FillTensor(dl::Tensor& t, const TensorDesc& d, int64_t* dims) {
   t.ndim = d.ndim;
   t.dtype = d.dtype;
   t.byte_offset = d.byte_offset;
-  std::memcpy(dims, d.shape, sizeof(int64_t) * d.ndim);
+  // A 0-d description may have no shape array (an empty vector's data() is
+  // nullptr), and memcpy from a null pointer is undefined even for 0 bytes:
+  // UBSan caught this on every 0-d import.
+  if (d.ndim > 0) std::memcpy(dims, d.shape, sizeof(int64_t) * d.ndim);
   t.shape = d.ndim ? dims : nullptr;
   if (d.strides) {
     std::memcpy(dims + d.ndim, d.strides, sizeof(int64_t) * d.ndim);

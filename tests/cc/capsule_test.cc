@@ -111,6 +111,29 @@ TEST(VersionedCapsuleCarriesVersionFlagsAndStrides) {
   Py_DECREF(owner);
 }
 
+// A 0-d description without a shape array, as a 0-d import passes it (the
+// empty shape vector's data() is nullptr).  Regression: FillTensor copied
+// from it with memcpy, undefined for a null pointer even for 0 bytes, which
+// UBSan reports (tools/sanitize.sh runs these tests under --config=asan).
+TEST(ZeroDimDescriptionWithoutAShapeArray) {
+  PyObject* owner = PyList_New(0);
+  jxo::TensorDesc d;
+  d.data = kData;
+  d.ndim = 0;
+  d.shape = nullptr;
+  for (bool versioned : {false, true}) {
+    PyObject* cap = jxo::NewOwnedCapsule(d, owner, versioned);
+    REQUIRE(cap != nullptr);
+    jxo::CapsuleView view;
+    REQUIRE(jxo::InspectCapsule(cap, &view));
+    CHECK_EQ(view.tensor->ndim, 0);
+    CHECK(view.tensor->shape == nullptr);
+    CHECK(view.tensor->strides == nullptr);
+    Py_DECREF(cap);
+  }
+  Py_DECREF(owner);
+}
+
 TEST(ConsumedCapsuleLeavesTheDeleterToTheConsumer) {
   PyObject* owner = PyList_New(0);
   Py_ssize_t refs = Py_REFCNT(owner);

@@ -123,6 +123,11 @@ def reference(buf, pointer, shape, dtype, byte_strides):
         for n in reversed(shape):
             byte_strides.insert(0, acc)
             acc *= n
+    # A dimension of size 0 or 1 takes no step, so its stride is any value a
+    # producer likes (the core accepts 2**62 there); NumPy refuses strides
+    # that overflow its own arithmetic, so the reference gives such a
+    # dimension stride 0, which reads the same elements.
+    byte_strides = [0 if n <= 1 else s for n, s in zip(shape, byte_strides)]
     low = sum(min(0, (n - 1) * s) for n, s in zip(shape, byte_strides))
     high = sum(max(0, (n - 1) * s) for n, s in zip(shape, byte_strides))
     base = buf.ctypes.data

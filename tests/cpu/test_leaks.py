@@ -37,6 +37,11 @@ WARMUP = 1000
 # leaked 16 KiB copy per round passes it within 512 rounds.
 RSS_SLACK = 4 << 20
 CPU = jax.devices("cpu")[0]
+# Under AddressSanitizer (tools/sanitize.sh preloads it) freed memory waits in
+# ASan's quarantine, so resident memory moves by tens of MiB either way and
+# says nothing about leaks: there only the exact checks apply.
+with open("/proc/self/maps") as _maps:
+    UNDER_ASAN = "libasan" in _maps.read()
 
 
 def rss_bytes():
@@ -181,4 +186,5 @@ def test_round_trips_do_not_leak(path, allow_host_export):
     if os.environ.get("JAX_OVERLAY_LEAK_REPORT"):
         with open(os.environ["JAX_OVERLAY_LEAK_REPORT"], "a") as f:
             f.write(json.dumps(report) + "\n")
-    assert report["rss_growth_bytes"] <= RSS_SLACK, report
+    if not UNDER_ASAN:
+        assert report["rss_growth_bytes"] <= RSS_SLACK, report
