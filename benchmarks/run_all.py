@@ -304,6 +304,13 @@ def latency_matrix(run, a, t, d, x):
     prop = lambda o: o.__cuda_array_interface__  # noqa: E731
     run.lat(g, "export", "stock", report.EXPORT_PROPERTY, prop, jx)
     run.lat(g, "export", "jax_overlay", report.EXPORT_PROPERTY, prop, jx)
+
+    def fresh():  # a new ready array per call: the first read of each array
+        y = x + 0
+        y.block_until_ready()
+        return y
+    run.lat(g, "export", "stock", report.EXPORT_PROPERTY_FIRST, prop, fresh)
+    run.lat(g, "export", "jax_overlay", report.EXPORT_PROPERTY_FIRST, prop, fresh)
     for peer, name, src in sources:
         if src is not None:
             run.lat(g, "export", "peer", f"{name}.__cuda_array_interface__ ({peer})", prop, lambda src=src: src)
