@@ -1,5 +1,7 @@
 #include "capsule.h"
 
+#include "gil_handoff.h"
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -11,14 +13,6 @@ namespace {
 
 std::atomic<int64_t> g_live{0};
 std::atomic<int64_t> g_released{0};
-
-bool InterpreterFinalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing();
-#else
-  return _Py_IsFinalizing();
-#endif
-}
 
 // One allocation holds the header, the managed tensor and its shape and
 // strides, so a deleter frees exactly one block and nothing can dangle.
@@ -33,24 +27,14 @@ struct Block {
 };
 static_assert(alignof(Block) >= alignof(int64_t));
 
+void DecRef(void* owner) { Py_DECREF(static_cast<PyObject*>(owner)); }
+
 // Drops the owner reference.  Deleters are called by whoever consumed the
 // tensor, on whatever thread frees its buffer (an XLA worker, a CUDA
-// callback, a foreign runtime), so this must take the GIL itself.
+// callback, a foreign runtime): WithGil decides whether this thread may take
+// the GIL or must hand the Py_DECREF to the main thread.
 void ReleaseOwner(PyObject* owner) {
-  if (owner == nullptr) return;
-  // Once the interpreter is finalizing, taking the GIL from a foreign thread
-  // can hang or terminate that thread; leaking one reference is harmless
-  // because the process is going away.
-  if (InterpreterFinalizing()) return;
-  PyGILState_STATE gil = PyGILState_Ensure();
-  // The deleter may run while the caller is unwinding a Python exception
-  // (e.g. a capsule dropped during error handling).  Py_DECREF can run
-  // arbitrary __del__ code, so save and restore the pending exception.
-  PyObject *type, *value, *tb;
-  PyErr_Fetch(&type, &value, &tb);
-  Py_DECREF(owner);
-  PyErr_Restore(type, value, tb);
-  PyGILState_Release(gil);
+  if (owner != nullptr) WithGil(DecRef, owner);
 }
 
 void ReleaseBlock(Block* b) {
@@ -114,21 +98,35 @@ void FillTensor(dl::Tensor& t, const TensorDesc& d, int64_t* dims) {
   }
 }
 
-// A legacy view of someone else's versioned tensor: the chained deleter
-// releases the original through its own deleter.
+// A legacy tensor of our own in front of someone else's tensor (versioned
+// or legacy): jaxlib reads legacy capsules only, and the producer's deleter
+// must not run on a thread that may not take the GIL (NumPy's, CuPy's and
+// ctypes deleters all take it), so the chained deleter goes through WithGil.
 struct Chain {
   dl::ManagedTensor legacy;
-  dl::ManagedTensorVersioned* inner;
+  void* inner;
+  bool inner_versioned;
 };
+
+void CallVersioned(void* t) {
+  auto* m = static_cast<dl::ManagedTensorVersioned*>(t);
+  if (m->deleter) m->deleter(m);
+}
+
+void CallLegacy(void* t) {
+  auto* m = static_cast<dl::ManagedTensor*>(t);
+  if (m->deleter) m->deleter(m);
+}
 
 void ChainDeleter(dl::ManagedTensor* t) {
   if (!t) return;
   Chain* c = static_cast<Chain*>(t->manager_ctx);
-  dl::ManagedTensorVersioned* inner = c->inner;
+  void* inner = c->inner;
+  bool versioned = c->inner_versioned;
   delete c;
   g_live.fetch_sub(1, std::memory_order_relaxed);
   g_released.fetch_add(1, std::memory_order_relaxed);
-  if (inner && inner->deleter) inner->deleter(inner);
+  if (inner) WithGil(versioned ? CallVersioned : CallLegacy, inner);
 }
 
 }  // namespace
@@ -174,32 +172,48 @@ PyObject* NewOwnedCapsule(const TensorDesc& desc, PyObject* owner,
   return cap;
 }
 
-PyObject* VersionedToLegacyCapsule(PyObject* capsule) {
+PyObject* ChainedLegacyCapsule(PyObject* capsule) {
   if (!PyCapsule_CheckExact(capsule)) {
     PyErr_SetString(PyExc_TypeError, "expected a DLPack capsule");
     return nullptr;
   }
-  auto* inner = static_cast<dl::ManagedTensorVersioned*>(
-      PyCapsule_GetPointer(capsule, dl::kCapsuleVersioned));
-  if (!inner) return nullptr;
   Chain* c = new (std::nothrow) Chain{};
   if (!c) return PyErr_NoMemory();
-  c->inner = inner;
-  c->legacy.dl_tensor = inner->dl_tensor;  // shape/strides stay owned by inner
+  const char* used;
+  if (PyCapsule_IsValid(capsule, dl::kCapsuleVersioned)) {
+    auto* inner = static_cast<dl::ManagedTensorVersioned*>(
+        PyCapsule_GetPointer(capsule, dl::kCapsuleVersioned));
+    c->inner = inner;
+    c->inner_versioned = true;
+    c->legacy.dl_tensor = inner->dl_tensor;  // shape/strides stay owned by inner
+    used = dl::kCapsuleVersionedUsed;
+  } else if (PyCapsule_IsValid(capsule, dl::kCapsuleLegacy)) {
+    auto* inner = static_cast<dl::ManagedTensor*>(
+        PyCapsule_GetPointer(capsule, dl::kCapsuleLegacy));
+    c->inner = inner;
+    c->legacy.dl_tensor = inner->dl_tensor;
+    used = dl::kCapsuleLegacyUsed;
+  } else {
+    delete c;
+    PyErr_SetString(PyExc_ValueError,
+                    "not an unconsumed 'dltensor' or 'dltensor_versioned' "
+                    "capsule");
+    return nullptr;
+  }
   c->legacy.manager_ctx = c;
   c->legacy.deleter = ChainDeleter;
   g_live.fetch_add(1, std::memory_order_relaxed);
   PyObject* out =
       PyCapsule_New(&c->legacy, dl::kCapsuleLegacy, DestroyLegacyCapsule);
   if (!out) {
-    // The versioned capsule still owns `inner`; only drop the chain link.
+    // The input capsule still owns `inner`; only drop the chain link.
     delete c;
     g_live.fetch_sub(1, std::memory_order_relaxed);
     return nullptr;
   }
   // Ownership moved to the chain: the consumed capsule must never call the
   // deleter again, so rename it as the protocol says and drop its destructor.
-  PyCapsule_SetName(capsule, dl::kCapsuleVersionedUsed);
+  PyCapsule_SetName(capsule, used);
   PyCapsule_SetDestructor(capsule, nullptr);
   return out;
 }

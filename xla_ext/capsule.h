@@ -36,11 +36,12 @@ struct TensorDesc {
 PyObject* NewOwnedCapsule(const TensorDesc& desc, PyObject* owner,
                           bool versioned);
 
-// Takes the tensor out of a versioned capsule produced by anyone and returns
-// a legacy "dltensor" capsule whose deleter chains to the versioned one.
-// The input capsule is renamed "used_dltensor_versioned" (it no longer owns
+// Takes the tensor out of an unconsumed capsule produced by anyone
+// (versioned or legacy) and returns a legacy "dltensor" capsule whose deleter
+// chains to the original one through WithGil (gil_handoff.h).  The input
+// capsule is renamed "used_dltensor[_versioned]" (it no longer owns
 // anything).  Returns nullptr with a Python error set on failure.
-PyObject* VersionedToLegacyCapsule(PyObject* versioned_capsule);
+PyObject* ChainedLegacyCapsule(PyObject* capsule);
 
 // Calls `deleter` of the tensor in an unconsumed DLPack capsule and marks the
 // capsule used, as a consumer would; used by tests to drive deleters from

@@ -148,16 +148,13 @@ bool PlanDlpackImport(PyObject* capsule, DlpackPlan* out, Error* err) {
   // destructor releases it.
   if (!DescribeTensor(t, &out->view, err)) return false;
   out->view.read_only = cv.flags & dl::kFlagReadOnly;
-  if (cv.versioned) {
-    // jaxlib reads legacy capsules only: the versioned tensor moves into a
-    // legacy one whose deleter chains to it (the input is renamed used_*).
-    out->capsule = VersionedToLegacyCapsule(capsule);
-    if (!out->capsule) {
-      return Fail(err, ErrorKind::kBuffer, PythonErrorText());
-    }
-  } else {
-    Py_INCREF(capsule);
-    out->capsule = capsule;
+  // jaxlib reads legacy capsules only, and calls the deleter on whatever
+  // thread frees the buffer: the producer's tensor moves into a legacy one of
+  // ours whose deleter chains to it from a thread that may take the GIL (the
+  // input is renamed used_*).
+  out->capsule = ChainedLegacyCapsule(capsule);
+  if (!out->capsule) {
+    return Fail(err, ErrorKind::kBuffer, PythonErrorText());
   }
   return true;
 }

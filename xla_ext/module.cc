@@ -9,6 +9,7 @@
 #include "cuda_driver.h"
 #include "dlpack_abi.h"
 #include "error.h"
+#include "gil_handoff.h"
 #include "import_plan.h"
 #include "layout.h"
 
@@ -156,6 +157,7 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.def(
       "plan_cai_import",
       [](py::handle cai, py::handle owner, bool host) {
+        RunHandedOff();  // see gil_handoff.h: the import paths drain it
         ImportPlan plan;
         Error err;
         if (!PlanCaiImport(cai.ptr(), owner.ptr(), host, &plan, &err)) {
@@ -178,6 +180,7 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.def(
       "plan_dlpack_import",
       [](py::handle capsule) {
+        RunHandedOff();
         DlpackPlan plan;
         Error err;
         if (!PlanDlpackImport(capsule.ptr(), &plan, &err)) Raise(err);
@@ -213,11 +216,13 @@ PYBIND11_MODULE(_xla_ext, m) {
         "`owner` alive.");
 
   m.def(
-      "versioned_to_legacy",
+      "chained_legacy",
       [](py::handle capsule) {
-        return Steal(VersionedToLegacyCapsule(capsule.ptr()));
+        return Steal(ChainedLegacyCapsule(capsule.ptr()));
       },
-      py::arg("capsule"));
+      py::arg("capsule"),
+      "A legacy capsule of ours whose deleter chains to the producer's "
+      "tensor (versioned or legacy); the input is marked used.");
 
   m.def(
       "capsule_info",
@@ -266,6 +271,13 @@ PYBIND11_MODULE(_xla_ext, m) {
         "Tensors created here whose deleter has not run.");
   m.def("released_tensors", &ReleasedTensors,
         "Tensors created here whose deleter has run.");
+  m.def("handed_off", &HandedOff,
+        "Deleter work handed from threads CPython does not know to the main "
+        "thread (gil_handoff.h).");
+  m.def("handed_off_run", &HandedOffRun,
+        "Handed-off deleter work that has run.");
+  m.def("run_handed_off", &RunHandedOff,
+        "Runs the deleter work handed off so far, now.");
 
   m.def(
       "load_driver",

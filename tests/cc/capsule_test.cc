@@ -1,7 +1,9 @@
 // DLPack capsules: NewOwnedCapsule copies the description and holds the
 // owner, each deleter runs exactly once (from the capsule, a consumer, or
-// another thread), and VersionedToLegacyCapsule chains to the original.
+// another thread), and ChainedLegacyCapsule chains to the original, through the GIL
+// hand-off when the deleter runs on a thread CPython does not know.
 #include "xla_ext/capsule.h"
+#include "xla_ext/gil_handoff.h"
 
 #include <Python.h>
 
@@ -172,6 +174,7 @@ TEST(DeleterOnAnotherThreadWithoutTheGil) {
   Py_BEGIN_ALLOW_THREADS
   std::thread([taken] { jxo::CallDeleter(taken); }).join();
   Py_END_ALLOW_THREADS
+  jxo::RunHandedOff();  // what the main thread's pending call does
   CHECK_EQ(Py_REFCNT(owner), refs);
   Py_DECREF(owner);
 }
@@ -201,12 +204,12 @@ TEST(BadDescriptionFailsWithoutTakingTheOwner) {
   Py_DECREF(owner);
 }
 
-TEST(VersionedToLegacyChainsToTheForeignDeleterOnce) {
+TEST(ChainedLegacyChainsToTheForeignDeleterOnce) {
   Foreign f;
   PyObject* versioned = ForeignCapsule(&f);
   REQUIRE(versioned != nullptr);
   Counts before = Now();
-  PyObject* legacy = jxo::VersionedToLegacyCapsule(versioned);
+  PyObject* legacy = jxo::ChainedLegacyCapsule(versioned);
   REQUIRE(legacy != nullptr);
   CHECK_EQ(std::string(PyCapsule_GetName(versioned)),
            std::string("used_dltensor_versioned"));
@@ -226,13 +229,13 @@ TEST(VersionedToLegacyChainsToTheForeignDeleterOnce) {
   CHECK_EQ(jxo::ReleasedTensors(), before.released + 1);
 }
 
-TEST(VersionedToLegacyOfAnOwnedCapsuleReturnsTheOwner) {
+TEST(ChainedLegacyOfAnOwnedCapsuleReturnsTheOwner) {
   PyObject* owner = PyList_New(0);
   Py_ssize_t refs = Py_REFCNT(owner);
   Counts before = Now();
   PyObject* versioned = jxo::NewOwnedCapsule(Desc(true), owner, true);
   REQUIRE(versioned != nullptr);
-  PyObject* legacy = jxo::VersionedToLegacyCapsule(versioned);
+  PyObject* legacy = jxo::ChainedLegacyCapsule(versioned);
   REQUIRE(legacy != nullptr);
   Py_DECREF(versioned);
   CHECK_EQ(Py_REFCNT(owner), refs + 1);
@@ -246,22 +249,75 @@ TEST(VersionedToLegacyOfAnOwnedCapsuleReturnsTheOwner) {
   Py_DECREF(owner);
 }
 
-TEST(VersionedToLegacyRefusesOtherObjects) {
+TEST(ChainedLegacyOfALegacyCapsuleMarksItUsed) {
+  PyObject* owner = PyList_New(0);
+  Py_ssize_t refs = Py_REFCNT(owner);
+  Counts before = Now();
+  PyObject* inner = jxo::NewOwnedCapsule(Desc(false), owner, false);
+  REQUIRE(inner != nullptr);
+  PyObject* legacy = jxo::ChainedLegacyCapsule(inner);
+  REQUIRE(legacy != nullptr);
+  CHECK_EQ(std::string(PyCapsule_GetName(inner)), std::string("used_dltensor"));
+  CHECK(jxo::ChainedLegacyCapsule(inner) == nullptr);  // consumed once
+  CHECK(PyErr_ExceptionMatches(PyExc_ValueError));
+  PyErr_Clear();
+  Py_DECREF(inner);  // renamed: its destructor must not delete
+  CHECK_EQ(Py_REFCNT(owner), refs + 1);
+  Py_DECREF(legacy);  // never consumed: the chain's destructor deletes both
+  CHECK_EQ(Py_REFCNT(owner), refs);
+  CHECK_EQ(jxo::LiveTensors(), before.live);
+  CHECK_EQ(jxo::ReleasedTensors(), before.released + 2);
+  Py_DECREF(owner);
+}
+
+TEST(ChainedLegacyRefusesOtherObjects) {
   PyObject* not_capsule = PyLong_FromLong(1);
-  CHECK(jxo::VersionedToLegacyCapsule(not_capsule) == nullptr);
+  CHECK(jxo::ChainedLegacyCapsule(not_capsule) == nullptr);
   CHECK(PyErr_ExceptionMatches(PyExc_TypeError));
   PyErr_Clear();
   Py_DECREF(not_capsule);
-
-  PyObject* owner = PyList_New(0);
-  PyObject* legacy = jxo::NewOwnedCapsule(Desc(false), owner, false);
-  REQUIRE(legacy != nullptr);
-  CHECK(jxo::VersionedToLegacyCapsule(legacy) == nullptr);
+  PyObject* other = PyCapsule_New(kData, "not_a_tensor", nullptr);
+  CHECK(jxo::ChainedLegacyCapsule(other) == nullptr);
   CHECK(PyErr_Occurred() != nullptr);
   PyErr_Clear();
-  CHECK(PyCapsule_IsValid(legacy, dl::kCapsuleLegacy));  // untouched
-  Py_DECREF(legacy);
-  CHECK_EQ(Py_REFCNT(owner), Py_ssize_t{1});
+  CHECK_EQ(std::string(PyCapsule_GetName(other)), std::string("not_a_tensor"));
+  Py_DECREF(other);
+}
+
+// A deleter on a thread CPython does not know never takes the GIL, so it
+// cannot block on (or, at exit, be killed by) a thread holding it: the
+// Py_DECREF waits for the main thread, here RunHandedOff (CPython's pending
+// call would run it too, but this test never returns to the eval loop).
+// Before the hand-off this test deadlocked: the thread waited for the GIL
+// that the joining thread held.
+TEST(DeleterOnAForeignThreadHandsTheDecrefOff) {
+  PyObject* owner = PyList_New(0);
+  Py_ssize_t refs = Py_REFCNT(owner);
+  PyObject* cap = jxo::NewOwnedCapsule(Desc(false), owner, false);
+  REQUIRE(cap != nullptr);
+  jxo::TakenTensor taken = jxo::TakeTensor(cap);
+  REQUIRE(taken.tensor != nullptr);
+  int64_t handed = jxo::HandedOff();
+  int64_t run = jxo::HandedOffRun();
+  std::thread([taken] { jxo::CallDeleter(taken); }).join();  // GIL still held here
+  CHECK_EQ(jxo::HandedOff(), handed + 1);
+  CHECK_EQ(Py_REFCNT(owner), refs + 1);  // not yet: nobody took the GIL
+  jxo::RunHandedOff();
+  CHECK_EQ(jxo::HandedOffRun(), run + 1);
+  CHECK_EQ(Py_REFCNT(owner), refs);
+  Py_DECREF(cap);
+  Py_DECREF(owner);
+}
+
+TEST(DeleterOnTheGilHoldingThreadRunsNow) {
+  PyObject* owner = PyList_New(0);
+  Py_ssize_t refs = Py_REFCNT(owner);
+  PyObject* cap = jxo::NewOwnedCapsule(Desc(false), owner, false);
+  REQUIRE(cap != nullptr);
+  int64_t handed = jxo::HandedOff();
+  Py_DECREF(cap);
+  CHECK_EQ(Py_REFCNT(owner), refs);
+  CHECK_EQ(jxo::HandedOff(), handed);
   Py_DECREF(owner);
 }
 

@@ -29,6 +29,17 @@ def _doctor_cli(*args):
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
 
+def _why(p):
+    """A failed doctor run, short enough to read in a CI log: its exit
+    status, the rows that failed (when it printed its JSON) and the end of
+    stderr (a crash at exit prints there after a complete report)."""
+    rows = p.stdout[-3000:]
+    with contextlib.suppress(ValueError):
+        report = json.loads(p.stdout)
+        rows = json.dumps([r for r in report["rows"] if r["status"] in doctor.FAILING], indent=1)
+    return f"exit status {p.returncode}; failing rows: {rows}; stderr: {p.stderr[-2000:]}"
+
+
 @pytest.fixture(scope="module")
 def plain():
     return _doctor_cli("--plain")
@@ -38,14 +49,14 @@ def plain():
 def report(tmp_path_factory):
     saved = tmp_path_factory.mktemp("doctor") / "report.json"
     p = _doctor_cli("--json", "--json-file", str(saved))
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.returncode == 0, _why(p)
     printed = json.loads(p.stdout)
     assert json.loads(saved.read_text())["rows"] == printed["rows"]
     return printed
 
 
 def test_cli_runs_and_exits_zero(plain):
-    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert plain.returncode == 0, _why(plain)
     out = plain.stdout
     assert out.startswith("jax_overlay doctor\n")
     assert "stock JAX" in out and "jax_overlay installed" in out

@@ -1,7 +1,7 @@
 // libFuzzer harness for the DLPack side of the core: CheckTensor on tensors
 // with every field from the input (shape and strides arrays as long as ndim
 // says, as a producer must provide), the dtype <-> typestr tables, and
-// capsules with any name going through InspectCapsule, VersionedToLegacy
+// capsules with any name going through InspectCapsule, ChainedLegacy
 // and TakeTensor + CallDeleter: every tensor must be freed exactly once.
 #include <Python.h>
 #include <fuzzer/FuzzedDataProvider.h>
@@ -116,8 +116,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
         }
       }
       PyObject* chained = nullptr;
-      if (versioned && in.ConsumeBool()) {
-        chained = jxo::VersionedToLegacyCapsule(own);
+      if (in.ConsumeBool()) {
+        chained = jxo::ChainedLegacyCapsule(own);
         if (!chained) std::abort();
       }
       if (in.ConsumeBool()) jxo::CallDeleter(jxo::TakeTensor(chained ? chained : own));
@@ -163,8 +163,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   if (jxo::InspectCapsule(cap, &view) != ours) std::abort();
   PyErr_Clear();
   PyObject* legacy = nullptr;
-  if (ours && versioned && in.ConsumeBool()) {
-    legacy = jxo::VersionedToLegacyCapsule(cap);
+  if (ours && in.ConsumeBool()) {
+    legacy = jxo::ChainedLegacyCapsule(cap);
     if (!legacy) std::abort();
   }
   jxo::TakenTensor taken = jxo::TakeTensor(legacy ? legacy : cap);
