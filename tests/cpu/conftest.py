@@ -2,6 +2,7 @@ import gc
 
 import pytest
 
+from jax_overlay import _testing as T
 from jax_overlay import _xla_ext as ext
 
 
@@ -11,5 +12,8 @@ def balanced():
     gc.collect()
     live = ext.live_tensors()
     yield
-    gc.collect()
-    assert ext.live_tensors() == live, "a tensor was leaked or freed twice"
+    # A buffer that a JAX computation still reads (the source of copy=True)
+    # is released by XLA's worker thread once that computation is done,
+    # which may be after the test returns: wait for it, bounded.
+    T.settle(lambda: ext.live_tensors() <= live, "a tensor was leaked")
+    assert ext.live_tensors() == live, "a tensor was freed twice"

@@ -107,8 +107,10 @@ def _worker(path, n, out):
         live = ext.live_tensors()
         try:
             fn(n)
-            gc.collect()
-            assert ext.live_tensors() == live, "a tensor was leaked or freed twice"
+            # As the `balanced` fixture: XLA's thread may release a copy's
+            # source just after the case returns.
+            T.settle(lambda: ext.live_tensors() <= live, "a tensor was leaked")
+            assert ext.live_tensors() == live, "a tensor was freed twice"
             results[name] = "ok"
         except BaseException:  # noqa: BLE001 - every failure is the case's result
             results[name] = traceback.format_exc()
