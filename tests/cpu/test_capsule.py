@@ -79,8 +79,8 @@ def test_jax_consumer_holds_producer_until_buffer_freed():
     assert ref() is not None
     del x
     y.block_until_ready()
-    gc.collect()
-    assert ref() is None, "the producer must go when JAX frees the buffer"
+    # XLA's thread drops its hold on x just after y is ready.
+    T.settle(lambda: ref() is None, "the producer must go when JAX frees the buffer")
 
 
 def test_deleter_on_native_thread():
