@@ -181,9 +181,9 @@ def test_deleters_from_xla_threads():
         y.block_until_ready()
     del results
     assert not errors, errors[:3]
-    # XLA's thread drops its hold on each x just after its result is ready.
 
     def all_ran():
+        # XLA's thread drops its hold on each x just after its result is ready.
         ext.run_handed_off()
         return all(T.forged_deletes.get(k, 0) >= 1 for k in keys)
 
