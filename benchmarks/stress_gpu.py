@@ -427,9 +427,11 @@ class _Cai:
         self.x, self.__cuda_array_interface__ = x, cai
 
 
-def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print, save=None):
-    """The report; `save(report)` is called after every path, so a run cut
-    short keeps what it finished."""
+def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print, save=None,
+        deadline=None):
+    """The report; `save(report)` is called after every batch, so a run cut
+    short keeps what it finished.  `deadline` (a time.perf_counter() value):
+    no batch starts after it; a path cut short reports the trials it ran."""
     gpu = Gpu()
     gpu.jax_overlay.install()
     report = {"seed": seed, "batch": batch, "paths": {}, "controls": {}, "errors": {},
@@ -441,7 +443,12 @@ def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print, s
                 log(f"{path}: skipped (no producer library for it)")
                 continue
             try:
-                report["paths"][path] = _run_path(gpu, path, todo, batch, True)
+                def partial(r, path=path):
+                    report["paths"][path] = r
+                    if save:
+                        save(report)
+                report["paths"][path] = _run_path(gpu, path, todo, batch, True,
+                                                  on_batch=partial, deadline=deadline)
             except Exception:  # noqa: BLE001 - reported, fails the run, others still run
                 report["errors"][path] = traceback.format_exc()
                 log(f"{path}: ERROR\n{report['errors'][path]}")
@@ -467,10 +474,13 @@ def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print, s
     return report
 
 
-def _run_path(gpu, path, todo, batch, ordered):
+def _run_path(gpu, path, todo, batch, ordered, on_batch=None, deadline=None):
     t0 = time.perf_counter()
     codes, busy = [], []
     for i in range(0, len(todo), batch):
+        if deadline is not None and time.perf_counter() > deadline:
+            todo = todo[:i]
+            break
         chunk = todo[i:i + batch]
         if path in IMPORT_PATHS:
             c, b = gpu.import_trials(path, chunk, ordered)
@@ -478,6 +488,8 @@ def _run_path(gpu, path, todo, batch, ordered):
             c, b = gpu.export_trials(path, chunk, ordered)
         codes += c
         busy += b
+        if on_batch is not None:
+            on_batch(summarize(path, todo[:len(codes)], codes, busy, time.perf_counter() - t0))
     return summarize(path, todo, codes, busy, time.perf_counter() - t0)
 
 
@@ -499,6 +511,9 @@ def main(argv=None):
     p.add_argument("--controls", type=int, default=200, help="trials per control")
     p.add_argument("--paths", help=f"comma-separated subset of {','.join(PATHS)}")
     p.add_argument("--json", help="write the report here")
+    p.add_argument("--seconds", type=float,
+                   help="start no batch after this many seconds; a path cut short "
+                        "reports the trials it ran")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     meta = {"versions": versions(), "trials_per_path": args.trials}
@@ -509,7 +524,8 @@ def main(argv=None):
                 json.dump({**partial, **meta, "complete": False}, f, indent=1)
     report = run(args.trials, args.seed, args.batch,
                  args.paths.split(",") if args.paths else None, args.controls,
-                 log=lambda *a: print(*a, file=sys.stderr, flush=True), save=save)
+                 log=lambda *a: print(*a, file=sys.stderr, flush=True), save=save,
+                 deadline=None if args.seconds is None else t0 + args.seconds)
     report.update(meta, complete=True)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     bad = sum(r["stale"] + r["reused"] + r["other"] for r in report["paths"].values())

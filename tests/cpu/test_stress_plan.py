@@ -55,3 +55,29 @@ def test_summarize_counts_each_outcome():
     assert sum(sum(c.values()) for c in r["by_producer_stream"].values()) == 6
     text = stress.table({"paths": {"cai_import": r}, "controls": {}})
     assert "cai_import" in text and text.splitlines()[2].split()[1:6] == ["6", "3", "1", "1", "1"]
+
+
+class _CountingGpu:
+    """Stands in for the GPU side: every trial is ok, every other one busy."""
+
+    def __init__(self):
+        self.batches = 0
+
+    def import_trials(self, path, chunk, ordered):
+        self.batches += 1
+        return [stress.OK] * len(chunk), [i % 2 == 0 for i in range(len(chunk))]
+
+
+def test_run_path_reports_after_every_batch():
+    todo = stress.plan("cai_import", 25, 0, ALL)
+    seen = []
+    r = stress._run_path(_CountingGpu(), "cai_import", todo, 10, True, on_batch=seen.append)
+    assert [s["trials"] for s in seen] == [10, 20, 25]
+    assert r["trials"] == 25 and r["ok"] == 25 and r["in_flight"] == 13
+
+
+def test_run_path_past_its_deadline_reports_the_trials_it_ran():
+    todo = stress.plan("cai_import", 25, 0, ALL)
+    gpu = _CountingGpu()
+    r = stress._run_path(gpu, "cai_import", todo, 10, True, deadline=float("-inf"))
+    assert gpu.batches == 0 and r["trials"] == 0
