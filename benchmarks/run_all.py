@@ -54,6 +54,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_overlay  # noqa: E402
+from jax_overlay import _exports  # noqa: E402
 from jax_overlay import _runtime as rt  # noqa: E402
 from jax_overlay import _testing  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
@@ -398,8 +399,10 @@ def floors(run, a, t, x):
     versioned = lambda o: o.__dlpack__(stream=compute, max_version=(1, 1))  # noqa: E731
     run.floor("peer", "CuPy a.__cuda_array_interface__", lambda o: o.__cuda_array_interface__, lambda: a)
     run.floor("peer", "CuPy a.__dlpack__", versioned, lambda: a)
+    run.floor("peer", "CuPy a.__dlpack_device__", lambda o: o.__dlpack_device__(), lambda: a)
     if torch is not None:
         run.floor("peer", "PyTorch t.__dlpack__", versioned, lambda: t)
+        run.floor("peer", "PyTorch t.__dlpack_device__", lambda o: o.__dlpack_device__(), lambda: t)
     run.floor("jax_overlay native", "plan_cai_import", lambda c: ext.plan_cai_import(c, a, False),
               lambda: cai)
     run.floor("jax_overlay native", "plan_dlpack_import", ext.plan_dlpack_import, lambda: versioned(a))
@@ -417,24 +420,32 @@ def floors(run, a, t, x):
     run.floor("jaxlib", "x.unsafe_buffer_pointer()", lambda v: v.unsafe_buffer_pointer(), lambda: x)
     run.floor("jax_overlay native", "memory_kind(ptr)", ext.memory_kind, lambda: ptr)
     run.floor("jaxlib", "x.is_ready()", lambda v: v.is_ready(), lambda: x)
+    # An array's first export: what jaxlib itself costs on a new array.
+    fresh = lambda: (x + 0).block_until_ready()  # noqa: E731
+    run.floor("jaxlib", "jaxlib's x.__cuda_array_interface__, new x", _exports._jaxlib_cai, fresh)
+    run.floor("jaxlib", "x.is_ready(), new x", lambda v: v.is_ready(), fresh)
     dl = "jax_overlay.from_dlpack"
     run.breakdown = [
         {"call": f"{dl}(a) (CuPy)", "total": f"CuPy → JAX, DLPack|jax_overlay|{dl}(a)",
-         "parts": ["CuPy a.__dlpack__", "plan_dlpack_import", "DLPack import, no stream event"]},
+         "parts": ["CuPy a.__dlpack_device__", "CuPy a.__dlpack__", "plan_dlpack_import",
+                   "DLPack import, no stream event"]},
         {"call": "jax_overlay.from_cuda_array_interface(a) (CuPy)",
          "total": "CuPy → JAX, CAI|jax_overlay|jax_overlay.from_cuda_array_interface(a)",
          "parts": ["CuPy a.__cuda_array_interface__", "plan_cai_import", "DLPack import, no stream event"]},
         {"call": f"{dl}(t) (PyTorch)", "total": f"PyTorch → JAX, DLPack|jax_overlay|{dl}(t)",
-         "parts": ["PyTorch t.__dlpack__", "plan_dlpack_import", "DLPack import, no stream event"]},
+         "parts": ["PyTorch t.__dlpack_device__", "PyTorch t.__dlpack__", "plan_dlpack_import",
+                   "DLPack import, no stream event"]},
         {"call": "stock jax.dlpack.from_dlpack(a) (CuPy)",
          "total": "CuPy → JAX, DLPack|stock|jax.dlpack.from_dlpack(a)",
-         "parts": ["CuPy a.__dlpack__", "DLPack import, PJRT stream event"]},
+         "parts": ["CuPy a.__dlpack_device__", "CuPy a.__dlpack__", "DLPack import, PJRT stream event"]},
         {"call": "stock jax.dlpack.from_dlpack(t) (PyTorch)",
          "total": "PyTorch → JAX, DLPack|stock|jax.dlpack.from_dlpack(t)",
-         "parts": ["PyTorch t.__dlpack__", "DLPack import, PJRT stream event"]},
-        {"call": "jax_overlay x.__cuda_array_interface__ (ready x)",
-         "total": f"export property, CAI|jax_overlay|{report.EXPORT_PROPERTY}",
-         "parts": ["x.unsafe_buffer_pointer()", "memory_kind(ptr)", "x.is_ready()"]},
+         "parts": ["PyTorch t.__dlpack_device__", "PyTorch t.__dlpack__",
+                   "DLPack import, PJRT stream event"]},
+        {"call": "jax_overlay x.__cuda_array_interface__, first read of a new x",
+         "total": f"export property, CAI|jax_overlay|{report.EXPORT_PROPERTY_FIRST}",
+         "parts": ["jaxlib's x.__cuda_array_interface__, new x", "memory_kind(ptr)",
+                   "x.is_ready(), new x"]},
     ]
 
 

@@ -238,6 +238,9 @@ def from_dlpack(x, /, *, device=None, copy=None):
       (BufferError with ``copy=False``); ``device=`` and ``copy=True`` as in
       :func:`from_cuda_array_interface`.
     """
+    if device is None:  # the common call, without the checks below
+        arr, copied = import_dlpack(x, copy=copy)
+        return _imports.finish(arr, copied, copy=copy)
     if isinstance(device, jax.sharding.Sharding) and len(device.device_set) != 1:
         raise ValueError(
             f"device={device} spans {len(device.device_set)} devices; from_dlpack "
