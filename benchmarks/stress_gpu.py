@@ -129,12 +129,15 @@ def summarize(path, trials, codes, busy, seconds):
     by = collections.defaultdict(collections.Counter)
     for t, c in zip(trials, codes):
         by[f"{t['lib']}/{t['stream']}"][OUTCOMES[int(c)]] += 1
+    bad = [dict(t, outcome=OUTCOMES[int(c)], in_flight=bool(b), index=i)
+           for i, (t, c, b) in enumerate(zip(trials, codes, busy)) if int(c) != OK]
     return {
         "trials": len(trials),
         **{name: total.get(name, 0) for name in OUTCOMES.values()},
         "in_flight": int(sum(busy)),
         "seconds": round(seconds, 2),
         "by_producer_stream": {k: dict(v) for k, v in sorted(by.items())},
+        "bad_trials": bad[:100],  # what each failing trial drew, to replay it
     }
 
 
@@ -453,7 +456,7 @@ def run(trials=10_000, seed=0, batch=200, paths=None, controls=200, log=print, s
                 report["errors"][path] = traceback.format_exc()
                 log(f"{path}: ERROR\n{report['errors'][path]}")
                 continue
-            log(f"{path}: {json.dumps({k: v for k, v in report['paths'][path].items() if k != 'by_producer_stream'})}")
+            log(f"{path}: {json.dumps({k: v for k, v in report['paths'][path].items() if k not in ('by_producer_stream', 'bad_trials')})}")
             if save:
                 save(report)
         # Controls: ordering off, so the same checks must see stale reads.

@@ -203,7 +203,7 @@ def test_first_read_facts_agree_with_the_general_route():
     assert _exports._jaxlib_cai is not None
     dev = jax.devices("cuda")[0]
     pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    arrays = [jnp.arange(n, dtype=dt).reshape(shape) + 0
+    arrays = [(jnp.arange(n) % 2).astype(dt).reshape(shape)
               for dt in (jnp.float32, jnp.int8, jnp.bool_, jnp.float16, jnp.complex64, jnp.uint32)
               for n, shape in ((1, ()), (6, (2, 3)), (0, (0, 4)), (24, (2, 3, 4)))]
     arrays.append(jax.device_put(np.arange(8, dtype=np.float32), pinned))

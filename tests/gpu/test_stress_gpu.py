@@ -25,3 +25,23 @@ def test_stress_small():
         assert (r["stale"], r["reused"], r["other"]) == (0, 0, 0), (name, r)
     for name, r in report["controls"].items():
         assert r["trials"] > r["ok"], f"{name}: the detector saw nothing with ordering off"
+
+
+@pytest.mark.parametrize("path", ["dlpack_export_cupy", "dlpack_export_torch", "cai_export_torch"])
+def test_exports_to_a_consumers_own_stream(path):
+    """Regression: ordered through jaxlib's export with the consumer's own
+    stream, these paths read stale data in about 1 of 500 such trials on
+    jaxlib 0.11.2 (benchmarks/probe_export_order.py compares both routes);
+    4,000 trials made about 8 stale reads likely."""
+    gpu = stress.Gpu()
+    if not stress.producers_for(path, gpu.have):
+        pytest.skip(f"{path}: its consumer library is not installed")
+    gpu.jax_overlay.install()
+    try:
+        todo = [dict(t, stream="user") for t in stress.plan(path, 4000, 7, gpu.have)]
+        r = stress._run_path(gpu, path, todo, 200, True)
+    finally:
+        gpu.jax_overlay.uninstall()
+        gpu.jax.config.update("jax_enable_x64", gpu.x64)
+    assert r["in_flight"] > 3000, r
+    assert (r["stale"], r["reused"], r["other"]) == (0, 0, 0), r["bad_trials"][:5]
