@@ -424,6 +424,10 @@ def floors(run, a, t, x):
     fresh = lambda: (x + 0).block_until_ready()  # noqa: E731
     run.floor("jaxlib", "jaxlib's x.__cuda_array_interface__, new x", _exports._jaxlib_cai, fresh)
     run.floor("jaxlib", "x.is_ready(), new x", lambda v: v.is_ready(), fresh)
+    # The export's two sources of facts on a new array, side by side.
+    run.floor("jax_overlay", "export facts from jaxlib's property, new x", _exports._facts, fresh)
+    run.floor("jax_overlay", "export facts from the array's attributes, new x",
+              _exports._general_facts, fresh)
     dl = "jax_overlay.from_dlpack"
     run.breakdown = [
         {"call": f"{dl}(a) (CuPy)", "total": f"CuPy → JAX, DLPack|jax_overlay|{dl}(a)",
