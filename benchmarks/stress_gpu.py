@@ -377,6 +377,11 @@ class Gpu:
                 reuse = self._make(t["w"], size=n, dtype=dtype)  # same executable
                 codes.append(self._consumer_code(path, view, t, consumer_stream))
                 keep.append((view, reuse))
+            # Each code was computed on its consumer's stream; the stack below
+            # runs on the default stream, which a non-blocking stream does not
+            # order: without this wait the last trials of a batch were read
+            # before their codes existed (seen as "stale" on user streams only).
+            self.cp.cuda.Device().synchronize()
             if path.endswith("_cupy"):
                 out = cp.stack(codes).get()
             else:

@@ -12,8 +12,6 @@ from jax._src.lib import _jax
 
 from jax._src.lib import version as _jaxlib_version
 
-from . import _xla_ext
-
 ArrayImpl = type(jax.numpy.zeros(()))
 # JAX's own device_put, whatever install() later puts in its place.
 device_put = jax.device_put
@@ -121,25 +119,11 @@ def compute_stream(device) -> int:
 
 
 def order_stream_after(x, stream: int):
-    """Makes `stream` wait, on the GPU, for the computation that defines `x`;
-    the host waits only until JAX has enqueued it.  Returns jaxlib's capsule,
-    unconsumed: it holds a PJRT external reference until freed.
-
-    jaxlib's DLPack export orders XLA's compute stream (returning once the
-    definition event is recorded, so the computation is enqueued there), and
-    an event recorded on that stream after it orders `stream`.  Handing
-    `stream` to jaxlib directly is not enough: on jaxlib 0.11.2 (H200),
-    consumers reading on their own streams saw stale data in 30 of the 30,000
-    trials of the three export paths that name a stream
-    (benchmarks/stress_gpu.py, benchmarks/probe_export_order.py); on the
-    legacy and per-thread default streams in none."""
-    device = next(iter(x.devices()))
-    if device.platform != "gpu":
-        return _jax.buffer_to_dlpack_managed_tensor(x, stream=stream)
-    compute = compute_stream(device)
-    cap = _jax.buffer_to_dlpack_managed_tensor(x, stream=compute)
-    _xla_ext.order_after(device.local_hardware_id, compute, stream)
-    return cap
+    """Makes `stream` wait for the definition of `x` through jaxlib's DLPack
+    export (an event wait; the host waits only until the definition event
+    exists, i.e. until JAX has enqueued the computation).  Returns jaxlib's
+    capsule, unconsumed: it holds a PJRT external reference until freed."""
+    return _jax.buffer_to_dlpack_managed_tensor(x, stream=stream)
 
 
 def external_reference(x):

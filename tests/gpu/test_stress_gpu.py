@@ -29,10 +29,10 @@ def test_stress_small():
 
 @pytest.mark.parametrize("path", ["dlpack_export_cupy", "dlpack_export_torch", "cai_export_torch"])
 def test_exports_to_a_consumers_own_stream(path):
-    """Regression: ordered through jaxlib's export with the consumer's own
-    stream, these paths read stale data in about 1 of 500 such trials on
-    jaxlib 0.11.2 (benchmarks/probe_export_order.py compares both routes);
-    4,000 trials made 4 to 16 stale reads likely."""
+    """Consumers on their own non-blocking streams, at scale.  Regression for
+    the stress run itself: it once stacked the codes on the default stream
+    without waiting for those streams, and reported the last trials of a
+    batch as stale (1 to 4 such reports in 4,000 trials of each path)."""
     gpu = stress.Gpu()
     if not stress.producers_for(path, gpu.have):
         pytest.skip(f"{path}: its consumer library is not installed")
@@ -43,5 +43,5 @@ def test_exports_to_a_consumers_own_stream(path):
     finally:
         gpu.jax_overlay.uninstall()
         gpu.jax.config.update("jax_enable_x64", gpu.x64)
-    assert r["in_flight"] > 3000, r
+    assert r["in_flight"] > 2000, r
     assert (r["stale"], r["reused"], r["other"]) == (0, 0, 0), r["bad_trials"][:5]
