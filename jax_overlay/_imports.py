@@ -115,16 +115,6 @@ def copy_import(owner, data, shape, strides, dtype, itemsize, low, span,
     dtype = np.dtype(dtype)
     base, count, unit, offset = _strided.plan(
         data, low, span, itemsize, range_start, _strided.GPU_ALIGNMENT)
-    if dl_type == _KDLCUDA and strides is not None:
-        # Where the driver knows the allocation, the envelope may reach past
-        # the array's last element to its parent's last row: reading memory
-        # the array does not use is harmless on the GPU, and it lets a sliced
-        # view be copied as a block instead of gathered.
-        alloc_start, alloc_size = ext.pointer_info(data)[4:6]
-        if alloc_size and alloc_start <= base:
-            count = _strided.envelope_items(
-                shape, strides, offset, itemsize, unit, count,
-                (alloc_start + alloc_size - base) // unit)
     cap = ext.raw_capsule(owner, base, [count], None,
                           _exports._dl_dtype(dtype) if unit == itemsize else "|u1",
                           dl_type, ordinal)

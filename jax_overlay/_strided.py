@@ -73,69 +73,10 @@ def _gather_fn(shape, strides, offset, dtype, unit):
     return jax.jit(by_element if unit == dtype.itemsize else by_byte)
 
 
-def block_plan(shape, strides, offset, available):
-    """(length, parent, keep) when the array is a block of a row-major
-    parent that starts at its element 0: its elements are, in order,
-    ``envelope[offset:offset + length].reshape(parent)`` cut to ``keep``
-    (slices from 0) -- a slice and reshapes, which XLA copies at memory
-    speed, where a gather also computes and reads an index per element.
-    Sliced views of a row-major array are such blocks: ``a[:, ::2]``,
-    ``a[::3]``, ``a[1:3, 2:5]``.  None for any other layout (negative,
-    zero, overlapping or not-decreasing strides, strides that do not divide)
-    or when the parent would reach past the `available` items of the
-    envelope (its last row ends beyond the array's last element)."""
-    axes = [(n, s) for n, s in zip(shape, strides) if n != 1]
-    if not axes or any(s <= 0 for _, s in axes):
-        return None
-    parent = [axes[0][0]]
-    keep = [axes[0][0]]
-    for (_, outer), (n, inner) in zip(axes, axes[1:]):
-        if inner >= outer or outer % inner or n * inner > outer:
-            return None
-        parent.append(outer // inner)
-        keep.append(n)
-    parent.append(axes[-1][1])
-    keep.append(1)
-    length = axes[0][0] * axes[0][1]
-    if offset + length > available:
-        return None
-    return length, tuple(parent), tuple(keep)
-
-
-@functools.lru_cache(maxsize=256)
-def _block_fn(shape, offset, length, parent, keep, dtype):
-    dtype = np.dtype(dtype)
-
-    def f(flat):
-        if dtype.kind in "fV":  # bits move unchanged (see by_element)
-            flat = lax.bitcast_convert_type(flat, np.dtype(f"u{dtype.itemsize}"))
-        block = lax.slice(flat, (offset,), (offset + length,)).reshape(parent)
-        out = lax.slice(block, (0,) * len(parent), keep).reshape(shape)
-        return lax.bitcast_convert_type(out, dtype) if dtype.kind in "fV" else out
-
-    return jax.jit(f)
-
-
-def envelope_items(shape, elem_strides, offset, itemsize, unit, count, available):
-    """How many items the envelope should hold: `count` (the array's span),
-    or more, up to the `available` items its allocation still has after the
-    envelope's base, when that turns a gather into a block copy."""
-    if unit != itemsize or available <= count:
-        return count
-    found = block_plan(shape, tuple(int(s) for s in elem_strides), offset, available)
-    return count if found is None else max(count, offset + found[0])
-
-
 def gather(envelope, shape, elem_strides, offset, dtype, unit):
-    """The compact array: a block copy when the layout and the envelope's
-    size allow one (see block_plan), else a gather."""
     itemsize = np.dtype(dtype).itemsize
     scale = itemsize // unit
     strides = tuple(int(s) * scale for s in elem_strides)
-    if unit == itemsize:
-        found = block_plan(shape, strides, int(offset), envelope.shape[0])
-        if found is not None:
-            return _block_fn(tuple(shape), int(offset), *found, np.dtype(dtype))(envelope)
     if envelope.shape[0] >= 2**31:  # every index is below the envelope's size
         raise BufferError(
             f"a strided import spanning {envelope.shape[0]} items needs 64-bit "

@@ -339,35 +339,6 @@ def test_strided_copies_on_gpu(name, dtype):
             imp(v, copy=False)
 
 
-def test_block_copy_reads_no_further_than_the_allocation():
-    """Sliced views of a row-major parent are copied as a block when the
-    allocation holds the parent's last row (the driver says how far it goes),
-    and gathered when it does not; both give the view's elements."""
-    from jax_overlay import _strided
-    rows, cols = 64, 128
-    nbytes = rows * cols * 4
-    mem = cp.cuda.Memory(nbytes)  # its own cudaMalloc, outside CuPy's pool
-    a = cp.ndarray((rows, cols), cp.float32, cp.cuda.MemoryPointer(mem, 0))
-    a[...] = cp.arange(rows * cols, dtype=cp.float32).reshape(rows, cols)
-    start, size = ext.pointer_info(a.data.ptr)[4:6]
-    assert start == a.data.ptr and size >= nbytes
-    past_end_ok = size >= nbytes + 4  # the driver may round the allocation up
-    views = {"a[:, ::2]": (a[:, ::2], True), "a[:, :-1]": (a[:, :-1], True),
-             "a[:, 1:]": (a[:, 1:], past_end_ok), "a[1:, 1::2]": (a[1:, 1::2], past_end_ok),
-             "a[::-1]": (a[::-1], False)}
-    for name, (view, block) in views.items():
-        _strided._block_fn.cache_clear()
-        x = imp(view)
-        np.testing.assert_array_equal(np.asarray(x), cp.asnumpy(view), err_msg=name)
-        assert (_strided._block_fn.cache_info().currsize == 1) == block, name
-    torch = pytest.importorskip("torch")
-    t = torch.arange(rows * cols, dtype=torch.float32, device="cuda").reshape(rows, cols)
-    _strided._block_fn.cache_clear()
-    x = jax_overlay.from_dlpack(t[:, ::2])
-    np.testing.assert_array_equal(np.asarray(x), t[:, ::2].cpu().numpy())
-    assert _strided._block_fn.cache_info().currsize == 1
-
-
 def test_strided_copy_ordered_after_inflight_producer():
     s = cp.cuda.Stream(non_blocking=True)
     a = cp.zeros((512, 1024), cp.float32)
