@@ -5,7 +5,6 @@ waiting."""
 from __future__ import annotations
 
 import functools
-import inspect
 import operator
 import weakref
 
@@ -189,16 +188,6 @@ def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
     }
 
 
-# jaxlib's own property, taken before install() replaces it.  One native call
-# answers for the common array (one buffer on a GPU client, row-major, a type
-# the CAI can name) with its pointer, shape and type string, and raises for
-# every other array, which then takes the general route below (several
-# attribute reads, each a native call of its own): what an array's first read
-# costs.
-_jaxlib_cai = getattr(inspect.getattr_static(rt.ArrayImpl, "__cuda_array_interface__", None),
-                      "fget", None)
-
-
 def _facts(x):
     """((pointer, typestr, shape, strides), whether they may be kept) of an
     exportable array, with every check of the export (TypeError, BufferError,
@@ -206,22 +195,6 @@ def _facts(x):
     only while tests allow it."""
     if type(x) is not rt.ArrayImpl:
         _check(x)
-    elif _jaxlib_cai is not None and _cuda_gpus():
-        try:
-            d = _jaxlib_cai(x)
-        except Exception:  # noqa: BLE001 - the general route says precisely why
-            pass
-        else:
-            ptr = d["data"][0]
-            # Still the driver's word that the memory is the GPU's: a GPU
-            # client can also hold host memory (memory kinds).
-            if _cuda_ordinal(ptr) is not None:
-                return (ptr, d["typestr"], d["shape"], None), True
-    return _general_facts(x)
-
-
-def _general_facts(x):
-    """_facts for any array, from its own attributes."""
     try:
         # Also the sharding and deletion check: it raises for both.
         ptr = x.unsafe_buffer_pointer()
