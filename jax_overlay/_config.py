@@ -2,6 +2,7 @@
 
     jax_overlay.config.cai_sync = False       # or JAX_OVERLAY_CAI_SYNC=0
     jax_overlay.config.cai_read_only = True   # or JAX_OVERLAY_CAI_READ_ONLY=1
+    jax_overlay.config.strided_kernel = False # or JAX_OVERLAY_STRIDED_KERNEL=0
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ class Config:
     as CuPy, Numba and PyTorch export: PyTorch refuses read-only CAI, and
     CuPy and Numba ignore the flag anyway.  JAX arrays are immutable all the
     same: writing through an exported pointer is undefined behaviour in JAX.
-    Turn it on for consumers that honour the flag."""
+    Turn it on for consumers that honour the flag.
+
+    strided_kernel: on CUDA, the one copy of a strided or misaligned import
+    runs jax_overlay's own kernel as an XLA custom call (default).  Off, an
+    XLA gather writes it, as it does on other platforms."""
 
     def __init__(self):
         self.cai_sync = _flag("JAX_OVERLAY_CAI_SYNC", True)
         self.cai_read_only = _flag("JAX_OVERLAY_CAI_READ_ONLY", False)
+        self.strided_kernel = _flag("JAX_OVERLAY_STRIDED_KERNEL", True)
 
 
 config = Config()

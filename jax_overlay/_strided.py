@@ -1,16 +1,29 @@
 """The GPU-side copy for layouts JAX cannot view: sliced, negative,
 broadcast and misaligned arrays.  The producer's memory is viewed as one
-1-D envelope (zero-copy) and one XLA gather writes the compact result on
-the same device: no round trip through the host."""
+1-D envelope (zero-copy) and one computation on the same device writes the
+compact result: no round trip through the host.
+
+On CUDA that computation is our own kernel (xla_ext/strided_kernel.cc),
+called as an XLA FFI custom call: XLA allocates the result, orders the call
+after whatever produces the envelope and keeps the envelope alive while the
+kernel reads it.  Elsewhere, and for layouts the kernel does not take (more
+than three dimensions after merging, 2**31 items or more), an XLA gather
+writes it."""
 
 from __future__ import annotations
 
 import functools
+import math
+import os
+import re
 
 import jax
 import numpy as np
 from jax import lax
 import jax.numpy as jnp
+
+from . import _xla_ext as ext
+from ._config import config
 
 # XLA's GPU code assumes entry parameters are 16-byte aligned (it may use
 # vector loads); a view of a pointer that is not could fault or read wrong
@@ -73,10 +86,103 @@ def _gather_fn(shape, strides, offset, dtype, unit):
     return jax.jit(by_element if unit == dtype.itemsize else by_byte)
 
 
+_TARGET = "jax_overlay_strided_copy"
+_LIMIT = 2**31 - 1  # the kernel's index arithmetic is 32-bit
+# XLA types our handler sizes (xla_ext/ffi_handler.cc): every importable
+# type but the sub-byte ones, which DLPack cannot describe anyway.
+_KERNEL_KINDS = "biufcV"
+_SUB_BYTE = {"int2", "uint2", "int4", "uint4", "float4_e2m1fn"}
+
+
+def kernel_plan(shape, strides, offset, itemsize, unit):
+    """The kernel's plan (see strided::Plan) for an array of `shape` whose
+    element at index i is item offset + sum(i_d * strides_d) of the
+    envelope (items of `unit` bytes), or None when the kernel cannot take
+    it.  Dimensions of one element drop out and adjacent ones that step
+    evenly merge, so most layouts end with three dimensions or fewer."""
+    dims = [(int(n), int(s)) for n, s in zip(shape, strides)]
+    if unit != itemsize:  # a misaligned pointer: each element moves as bytes
+        dims.append((itemsize // unit, 1))
+    count = math.prod(n for n, _ in dims)
+    if count == 0 or count > _LIMIT:
+        return None
+    merged = []
+    for n, s in dims:
+        if n == 1:
+            continue
+        if merged and merged[-1][1] == n * s:
+            merged[-1] = (merged[-1][0] * n, s)
+        else:
+            merged.append((n, s))
+    if len(merged) > 3:
+        return None
+    merged = [(1, 0)] * (3 - len(merged)) + merged
+    (_, s1), (o2, s2), (inner, s_inner) = merged
+    if any(abs(s) > _LIMIT for s in (s1, s2, s_inner)):
+        return None
+    return (unit, int(offset), count, inner, s_inner, o2, s2, s1)
+
+
+def _ffi_version():
+    """(major, minor) of the XLA FFI of the running jaxlib, from the
+    headers it ships (jax.ffi.include_dir())."""
+    path = os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    found = [re.search(rf"#define XLA_FFI_API_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR")]
+    if not all(found):
+        raise BufferError(f"no XLA FFI version in {path}")
+    return tuple(int(m.group(1)) for m in found)
+
+
+_registered = None  # None: not tried; else "" or why the kernel is unusable
+_prepared = {}
+
+
+def kernel_status(device):
+    """'' when the strided copy kernel serves `device`, else why not."""
+    global _registered
+    if not config.strided_kernel:
+        return "jax_overlay.config.strided_kernel is off"
+    if device.platform != "gpu" or "rocm" in str(
+            getattr(device.client, "platform_version", "")).lower():
+        return f"a {device.platform} device: the kernel is CUDA only"
+    if _registered is None:
+        try:
+            jax.ffi.register_ffi_target(_TARGET, ext.strided_copy_handler(*_ffi_version()),
+                                        platform="CUDA")
+            _registered = ""
+        except Exception as err:  # noqa: BLE001 - any failure means no kernel
+            _registered = f"registration failed: {err}"
+    if _registered:
+        return _registered
+    ordinal = device.local_hardware_id
+    if ordinal not in _prepared:
+        try:
+            ext.prepare_strided_copy(ordinal)
+            _prepared[ordinal] = ""
+        except BufferError as err:
+            _prepared[ordinal] = str(err)
+    return _prepared[ordinal]
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel_fn(shape, dtype, plan):
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(shape, dtype))
+    attr = np.asarray(plan, np.int64)
+    return jax.jit(lambda envelope: call(envelope, plan=attr))
+
+
 def gather(envelope, shape, elem_strides, offset, dtype, unit):
-    itemsize = np.dtype(dtype).itemsize
+    dtype = np.dtype(dtype)
+    itemsize = dtype.itemsize
     scale = itemsize // unit
     strides = tuple(int(s) * scale for s in elem_strides)
+    if dtype.kind in _KERNEL_KINDS and dtype.name not in _SUB_BYTE:
+        plan = kernel_plan(shape, strides, offset, itemsize, unit)
+        device = next(iter(envelope.devices()))
+        if plan is not None and not kernel_status(device):
+            return _kernel_fn(tuple(shape), dtype, plan)(envelope)
     if envelope.shape[0] >= 2**31:  # every index is below the envelope's size
         raise BufferError(
             f"a strided import spanning {envelope.shape[0]} items needs 64-bit "

@@ -4,7 +4,9 @@
 
 #include <atomic>
 #include <cstdio>
+#include <map>
 #include <mutex>
+#include <utility>
 
 namespace jxo::cuda {
 namespace {
@@ -17,6 +19,8 @@ using CUdeviceptr = unsigned long long;
 using CUcontext = void*;
 using CUstream = void*;
 using CUevent = void*;
+using CUmodule = void*;
+using CUfunction = void*;
 
 constexpr CUresult kSuccess = 0;
 constexpr CUresult kNotReady = 600;
@@ -32,6 +36,10 @@ enum PointerAttribute : int {
   kAttrRangeStart = 11,
   kAttrRangeSize = 12,
 };
+constexpr int kAttrMultiprocessorCount = 16;  // CUdevice_attribute
+constexpr int kJitErrorLogBuffer = 5;         // CUjit_option
+constexpr int kJitErrorLogBufferBytes = 6;
+
 enum MemoryType : unsigned { kMemHost = 1, kMemDevice = 2, kMemUnified = 4 };
 
 struct Table {
@@ -50,6 +58,15 @@ struct Table {
   CUresult (*EventRecord)(CUevent, CUstream);
   CUresult (*EventDestroy)(CUevent);
   CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
+  CUresult (*StreamGetCtx)(CUstream, CUcontext*);
+  CUresult (*DeviceGetAttribute)(int*, int, CUdevice);
+  CUresult (*ModuleLoadDataEx)(CUmodule*, const void*, unsigned, int*, void**);
+  CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*OccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int,
+                                                        size_t);
+  CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
+                           unsigned, unsigned, unsigned, CUstream, void**,
+                           void**);
   CUresult (*GetErrorName)(CUresult, const char**);
   CUresult (*GetErrorString)(CUresult, const char**);
 };
@@ -95,6 +112,13 @@ void LoadOnce() {
             Sym(lib, "cuEventRecord", &g_cu.EventRecord) &&
             Sym(lib, "cuEventDestroy_v2", &g_cu.EventDestroy) &&
             Sym(lib, "cuStreamWaitEvent", &g_cu.StreamWaitEvent) &&
+            Sym(lib, "cuStreamGetCtx", &g_cu.StreamGetCtx) &&
+            Sym(lib, "cuDeviceGetAttribute", &g_cu.DeviceGetAttribute) &&
+            Sym(lib, "cuModuleLoadDataEx", &g_cu.ModuleLoadDataEx) &&
+            Sym(lib, "cuModuleGetFunction", &g_cu.ModuleGetFunction) &&
+            Sym(lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                &g_cu.OccupancyMaxActiveBlocksPerMultiprocessor) &&
+            Sym(lib, "cuLaunchKernel", &g_cu.LaunchKernel) &&
             Sym(lib, "cuGetErrorName", &g_cu.GetErrorName) &&
             Sym(lib, "cuGetErrorString", &g_cu.GetErrorString);
   if (!ok) {
@@ -332,6 +356,95 @@ bool DeviceScope::Enter(int ordinal, Error* err) {
 }
 
 DeviceScope::~DeviceScope() { PopIfPushed(pushed_); }
+
+namespace {
+
+struct Function {
+  CUfunction fn = nullptr;
+  int resident = 1;
+};
+
+struct ModuleEntry {
+  CUmodule module = nullptr;
+  int sm_count = 1;
+  std::map<std::pair<std::string, unsigned>, Function> fns;
+};
+// Keyed by context and module text; entries live for the process.
+std::map<std::pair<CUcontext, const std::string*>, ModuleEntry> g_modules;
+std::mutex g_modules_mu;
+
+}  // namespace
+
+bool PtxFunction(uintptr_t stream, int ordinal, const std::string& ptx,
+                 const char* name, unsigned block, void** fn, int* resident,
+                 Error* err) {
+  if (!Load(err)) return false;
+  CUcontext ctx = nullptr;
+  if (stream) {
+    CUresult r = g_cu.StreamGetCtx(reinterpret_cast<CUstream>(stream), &ctx);
+    if (r != kSuccess) return DriverFail(err, "cuStreamGetCtx", r);
+  } else if (!Primary(ordinal, &ctx, err)) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(g_modules_mu);
+  ModuleEntry& m = g_modules[{ctx, &ptx}];
+  if (!m.module) {
+    ScopedContext scope;
+    if (!scope.Enter(ctx, err)) return false;
+    char log[2048] = {0};
+    int opts[] = {kJitErrorLogBuffer, kJitErrorLogBufferBytes};
+    void* vals[] = {log, reinterpret_cast<void*>(uintptr_t(sizeof log))};
+    CUresult r = g_cu.ModuleLoadDataEx(&m.module, ptx.c_str(), 2, opts, vals);
+    if (r != kSuccess) {
+      m.module = nullptr;
+      return DriverFail(err,
+                        std::string("JIT compiling jax_overlay's PTX (") +
+                            log + ")",
+                        r);
+    }
+    CUdevice dev = 0;
+    if (g_cu.CtxGetDevice(&dev) != kSuccess ||
+        g_cu.DeviceGetAttribute(&m.sm_count, kAttrMultiprocessorCount, dev) !=
+            kSuccess ||
+        m.sm_count < 1) {
+      m.sm_count = 1;
+    }
+  }
+  auto it = m.fns.find({name, block});
+  if (it == m.fns.end()) {
+    Function f;
+    CUresult r = g_cu.ModuleGetFunction(&f.fn, m.module, name);
+    if (r != kSuccess) {
+      return DriverFail(err, std::string("cuModuleGetFunction(") + name + ")",
+                        r);
+    }
+    int per_sm = 1;
+    if (g_cu.OccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f.fn,
+                                                       int(block), 0) !=
+            kSuccess ||
+        per_sm < 1) {
+      per_sm = 1;
+    }
+    f.resident = per_sm * m.sm_count;
+    it = m.fns.emplace(std::make_pair(std::string(name), block), f).first;
+  }
+  *fn = it->second.fn;
+  *resident = it->second.resident;
+  return true;
+}
+
+bool Launch(void* fn, unsigned grid, unsigned block, uintptr_t stream,
+            void** params, Error* err) {
+  CUcontext ctx = nullptr;
+  CUresult r = g_cu.StreamGetCtx(reinterpret_cast<CUstream>(stream), &ctx);
+  if (r != kSuccess) return DriverFail(err, "cuStreamGetCtx", r);
+  ScopedContext scope;
+  if (!scope.Enter(ctx, err)) return false;
+  r = g_cu.LaunchKernel(fn, grid, 1, 1, block, 1, 1, 0,
+                        reinterpret_cast<CUstream>(stream), params, nullptr);
+  if (r != kSuccess) return DriverFail(err, "cuLaunchKernel", r);
+  return true;
+}
 
 int DriverVersion() {
   Error ignored;

@@ -9,9 +9,11 @@
 #include "cuda_driver.h"
 #include "dlpack_abi.h"
 #include "error.h"
+#include "ffi_handler.h"
 #include "gil_handoff.h"
 #include "import_plan.h"
 #include "layout.h"
+#include "strided_kernel.h"
 
 namespace py = pybind11;
 
@@ -353,6 +355,57 @@ PYBIND11_MODULE(_xla_ext, m) {
         return idle;
       },
       py::arg("ordinal"), py::arg("stream"));
+
+  m.def(
+      "strided_copy_handler",
+      [](int ffi_major, int ffi_minor) {
+        if (ffi_major != ffi::kApiMajor) {
+          throw py::buffer_error(
+              "this jaxlib speaks XLA FFI " + std::to_string(ffi_major) + "." +
+              std::to_string(ffi_minor) + "; jax_overlay's strided copy "
+              "kernel needs major version " + std::to_string(ffi::kApiMajor));
+        }
+        ffi::SetReportedMinor(ffi_minor);
+        // A plain function pointer, valid for the life of the process.
+        return py::capsule(reinterpret_cast<void*>(&ffi::StridedCopy),
+                           "xla._CUSTOM_CALL_TARGET");
+      },
+      py::arg("ffi_major"), py::arg("ffi_minor"),
+      "The XLA FFI handler of the strided copy, as a capsule for "
+      "jax.ffi.register_ffi_target, reporting FFI version "
+      "ffi_major.ffi_minor (those of the running jaxlib).");
+  m.def(
+      "prepare_strided_copy",
+      [](int ordinal) {
+        Error err;
+        if (!strided::Prepare(ordinal, &err)) Raise(err);
+      },
+      py::arg("ordinal"),
+      "JIT-compiles the strided copy kernels for CUDA device `ordinal` "
+      "(BufferError when the driver cannot).");
+  m.def(
+      "check_strided_plan",
+      [](const std::vector<int64_t>& plan, int64_t envelope) {
+        if (plan.size() != strided::kPlanFields) {
+          throw py::value_error("a strided copy plan has " +
+                                std::to_string(strided::kPlanFields) +
+                                " fields, not " + std::to_string(plan.size()));
+        }
+        strided::Plan p = strided::FromFields(plan.data(), envelope);
+        Error err;
+        if (!strided::Validate(p, &err)) Raise(err);
+      },
+      py::arg("plan"), py::arg("envelope"),
+      "The handler's own check of a plan (ValueError naming the field).");
+  m.def(
+      "fast_divisor",
+      [](uint32_t d) {
+        strided::FastDivisor f = strided::MakeFastDivisor(d);
+        return py::make_tuple(f.magic, f.shift);
+      },
+      py::arg("d"), "(magic, shift) with n // d == (n * magic) >> shift.");
+  m.def("strided_copy_ptx", &strided::Ptx,
+        "The PTX text of the strided copy kernels.");
 
   // Test hooks: drive deleters the way foreign consumers do.
   m.def(
