@@ -31,8 +31,9 @@ SCHEMA = "jax_overlay.bench/1"
 D2D, H2D = "device-to-device memcpy", "host-to-device memcpy (pinned)"
 STRIDED, COPY_TRUE, PINNED = ("strided import a[:, ::2]", "copy=True import",
                               "pinned -> device (jax.device_put)")
+STRIDED_GATHER = "strided import a[:, ::2], XLA gather (config.strided_kernel off)"
 # name -> the reference it is compared with
-COPY_REFERENCE = {STRIDED: D2D, COPY_TRUE: D2D, PINNED: H2D}
+COPY_REFERENCE = {STRIDED: D2D, STRIDED_GATHER: D2D, COPY_TRUE: D2D, PINNED: H2D}
 SHORT = {D2D: "D2D memcpy", H2D: "H2D memcpy"}
 TARGETS = {"import_idle_us": 15.0, "import_inflight_us": 32.0, "export_property_us": 4.0,
            "strided_fraction": 0.5, "flat_ratio": 1.5}

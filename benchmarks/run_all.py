@@ -483,6 +483,7 @@ def sizes(run):
         zc["peer torch.from_dlpack(a)"] = (torch.from_dlpack, "a")
     out = {"bytes": SIZES, "zero_copy_us": {k: [] for k in zc}, "zero_copy_verified": [],
            "copy_bytes": COPY_SIZES, "copy_gbps": {k: [] for k in (report.D2D, report.STRIDED,
+                                                                  report.STRIDED_GATHER,
                                                                   report.COPY_TRUE, report.PINNED,
                                                                   report.H2D)},
            "copy_repeats": []}
@@ -549,6 +550,13 @@ def _copies(size, repeats, on_device, run):
     def strided_import():
         return jax_overlay.from_cuda_array_interface(strided).block_until_ready()
 
+    def strided_gather():
+        jax_overlay.config.strided_kernel = False
+        try:
+            return strided_import()
+        finally:
+            jax_overlay.config.strided_kernel = True
+
     def copy_true():
         return jax_overlay.from_dlpack(src, copy=True).block_until_ready()
 
@@ -559,10 +567,11 @@ def _copies(size, repeats, on_device, run):
 
     def first_checks():
         nonlocal host_view
-        r = strided_import()
-        _check(r.shape == strided.shape and float(jnp.min(r)) == float(jnp.max(r)) == 1.0,
-               "strided import: wrong result")
-        _check(r.unsafe_buffer_pointer() != strided.data.ptr, "strided import did not copy")
+        for route in (strided_import, strided_gather):
+            r = route()
+            _check(r.shape == strided.shape and float(jnp.min(r)) == float(jnp.max(r)) == 1.0,
+                   f"{route.__name__}: wrong result")
+            _check(r.unsafe_buffer_pointer() != strided.data.ptr, f"{route.__name__} did not copy")
         r = copy_true()
         _check(r.unsafe_buffer_pointer() != src.data.ptr, "copy=True did not copy")
         host_view = jax_overlay.from_cuda_array_interface(_testing.HostCAI(pinned))
@@ -572,13 +581,15 @@ def _copies(size, repeats, on_device, run):
         r = pinned_put()
         _check(r.sharding.memory_kind == "device" and float(jnp.min(r)) == 1.0, "pinned -> device: wrong result")
 
-    gbps = dict.fromkeys((report.D2D, report.STRIDED, report.COPY_TRUE, report.PINNED, report.H2D))
+    gbps = dict.fromkeys((report.D2D, report.STRIDED, report.STRIDED_GATHER, report.COPY_TRUE,
+                          report.PINNED, report.H2D))
     try:
         first_checks()
     except Exception as err:  # noqa: BLE001
         run.errors.append(f"copies at {size} B: {doctor.describe(err)}")
         return gbps
-    for name, op in ((report.D2D, memcpy), (report.STRIDED, strided_import), (report.COPY_TRUE, copy_true),
+    for name, op in ((report.D2D, memcpy), (report.STRIDED, strided_import),
+                     (report.STRIDED_GATHER, strided_gather), (report.COPY_TRUE, copy_true),
                      (report.PINNED, pinned_put), (report.H2D, h2d)):
         try:
             gbps[name] = round(size / _seconds(op, repeats) / 1e9, 2)
