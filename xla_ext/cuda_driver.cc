@@ -36,8 +36,7 @@ enum PointerAttribute : int {
   kAttrRangeStart = 11,
   kAttrRangeSize = 12,
 };
-constexpr int kAttrMultiprocessorCount = 16;  // CUdevice_attribute
-constexpr int kJitErrorLogBuffer = 5;         // CUjit_option
+constexpr int kJitErrorLogBuffer = 5;  // CUjit_option
 constexpr int kJitErrorLogBufferBytes = 6;
 
 enum MemoryType : unsigned { kMemHost = 1, kMemDevice = 2, kMemUnified = 4 };
@@ -59,11 +58,8 @@ struct Table {
   CUresult (*EventDestroy)(CUevent);
   CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
   CUresult (*StreamGetCtx)(CUstream, CUcontext*);
-  CUresult (*DeviceGetAttribute)(int*, int, CUdevice);
   CUresult (*ModuleLoadDataEx)(CUmodule*, const void*, unsigned, int*, void**);
   CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*);
-  CUresult (*OccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int,
-                                                        size_t);
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
                            unsigned, unsigned, unsigned, CUstream, void**,
                            void**);
@@ -113,11 +109,8 @@ void LoadOnce() {
             Sym(lib, "cuEventDestroy_v2", &g_cu.EventDestroy) &&
             Sym(lib, "cuStreamWaitEvent", &g_cu.StreamWaitEvent) &&
             Sym(lib, "cuStreamGetCtx", &g_cu.StreamGetCtx) &&
-            Sym(lib, "cuDeviceGetAttribute", &g_cu.DeviceGetAttribute) &&
             Sym(lib, "cuModuleLoadDataEx", &g_cu.ModuleLoadDataEx) &&
             Sym(lib, "cuModuleGetFunction", &g_cu.ModuleGetFunction) &&
-            Sym(lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-                &g_cu.OccupancyMaxActiveBlocksPerMultiprocessor) &&
             Sym(lib, "cuLaunchKernel", &g_cu.LaunchKernel) &&
             Sym(lib, "cuGetErrorName", &g_cu.GetErrorName) &&
             Sym(lib, "cuGetErrorString", &g_cu.GetErrorString);
@@ -359,15 +352,9 @@ DeviceScope::~DeviceScope() { PopIfPushed(pushed_); }
 
 namespace {
 
-struct Function {
-  CUfunction fn = nullptr;
-  int resident = 1;
-};
-
 struct ModuleEntry {
   CUmodule module = nullptr;
-  int sm_count = 1;
-  std::map<std::pair<std::string, unsigned>, Function> fns;
+  std::map<std::string, CUfunction> fns;
 };
 // Keyed by context and module text; entries live for the process.
 std::map<std::pair<CUcontext, const std::string*>, ModuleEntry> g_modules;
@@ -376,8 +363,7 @@ std::mutex g_modules_mu;
 }  // namespace
 
 bool PtxFunction(uintptr_t stream, int ordinal, const std::string& ptx,
-                 const char* name, unsigned block, void** fn, int* resident,
-                 Error* err) {
+                 const char* name, void** fn, Error* err) {
   if (!Load(err)) return false;
   CUcontext ctx = nullptr;
   if (stream) {
@@ -402,34 +388,18 @@ bool PtxFunction(uintptr_t stream, int ordinal, const std::string& ptx,
                             log + ")",
                         r);
     }
-    CUdevice dev = 0;
-    if (g_cu.CtxGetDevice(&dev) != kSuccess ||
-        g_cu.DeviceGetAttribute(&m.sm_count, kAttrMultiprocessorCount, dev) !=
-            kSuccess ||
-        m.sm_count < 1) {
-      m.sm_count = 1;
-    }
   }
-  auto it = m.fns.find({name, block});
+  auto it = m.fns.find(name);
   if (it == m.fns.end()) {
-    Function f;
-    CUresult r = g_cu.ModuleGetFunction(&f.fn, m.module, name);
+    CUfunction f = nullptr;
+    CUresult r = g_cu.ModuleGetFunction(&f, m.module, name);
     if (r != kSuccess) {
       return DriverFail(err, std::string("cuModuleGetFunction(") + name + ")",
                         r);
     }
-    int per_sm = 1;
-    if (g_cu.OccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f.fn,
-                                                       int(block), 0) !=
-            kSuccess ||
-        per_sm < 1) {
-      per_sm = 1;
-    }
-    f.resident = per_sm * m.sm_count;
-    it = m.fns.emplace(std::make_pair(std::string(name), block), f).first;
+    it = m.fns.emplace(name, f).first;
   }
-  *fn = it->second.fn;
-  *resident = it->second.resident;
+  *fn = it->second;
   return true;
 }
 

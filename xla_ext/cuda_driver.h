@@ -73,11 +73,9 @@ class DeviceScope {
 // context asks for it and cached for the life of the process (the module is
 // never unloaded: XLA may hold launches of it in flight at exit).  The
 // context is the one `stream` belongs to, or, for stream 0, the primary
-// context of device `ordinal`.  *resident: how many blocks of `block`
-// threads the device runs at once (multiprocessors times the occupancy).
+// context of device `ordinal`.
 bool PtxFunction(uintptr_t stream, int ordinal, const std::string& ptx,
-                 const char* name, unsigned block, void** fn, int* resident,
-                 Error* err);
+                 const char* name, void** fn, Error* err);
 
 // cuLaunchKernel of a PtxFunction on `stream`, 1-D grid and block.
 bool Launch(void* fn, unsigned grid, unsigned block, uintptr_t stream,
