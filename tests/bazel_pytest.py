@@ -39,6 +39,11 @@ def stage(src, suites):
         shutil.copytree(src / suite, dest / suite)
     if (src / "benchmarks").is_dir():  # the GPU suite runs the stress script
         shutil.copytree(src / "benchmarks", dest / "benchmarks")
+    # The CPU suite compiles our FFI declarations against jaxlib's headers.
+    for rel in ("tests/cc/ffi_abi_check.cc", "xla_ext/xla_ffi_abi.h"):
+        if (src / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src / rel, dest / rel)
     return dest
 
 
