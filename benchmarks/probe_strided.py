@@ -1,6 +1,12 @@
 """The strided import's copy, route by route, against memcpy in the same run:
 jax_overlay's kernel (the default on CUDA) and the XLA gather it replaced,
-on layouts of a given size.  GB/s of bytes delivered, median of repeats.
+on layouts of a given size.  GB/s of bytes delivered, median of repeats:
+
+* kernel alone: the kernel launched outside XLA exactly as the custom call
+  launches it, timed with CUDA events (what the copy itself costs);
+* synchronised: one import, then block_until_ready, as run_all times copies;
+* pipelined: 8 imports back to back, then one wait (memcpy likewise), so
+  that one completion wait is spread over 8 copies.
 
     python benchmarks/probe_strided.py [--mib 1024] [--repeats 15] [--json F]
 """
@@ -16,6 +22,10 @@ import cupy as cp
 import jax
 
 import jax_overlay
+from jax_overlay import _strided
+from jax_overlay import _xla_ext as ext
+
+PIPELINE = 8
 
 
 def seconds(fn, repeats):
@@ -26,6 +36,35 @@ def seconds(fn, repeats):
         fn()
         out.append(time.perf_counter() - t)
     return statistics.median(out)
+
+
+def kernel_alone(v, repeats):
+    """GB/s of the kernel by itself on CuPy view `v` (float32), or None
+    when the kernel does not take the layout."""
+    item = v.dtype.itemsize
+    cai = v.__cuda_array_interface__
+    strides = [s // item for s in (cai["strides"] or ())] or [1]
+    low = sum((n - 1) * s for n, s in zip(v.shape, strides) if s < 0)
+    span = 1 + sum((n - 1) * abs(s) for n, s in zip(v.shape, strides))
+    base, count, unit, offset = _strided.plan(cai["data"][0], low, span, item, 0,
+                                              _strided.GPU_ALIGNMENT)
+    plan = _strided.kernel_plan(v.shape, [s * (item // unit) for s in strides], offset, item, unit)
+    if plan is None:
+        return None
+    out = cp.empty(v.shape, v.dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    times = []
+    for _ in range(repeats + 1):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        ext.launch_strided_copy(plan, count, out.data.ptr, base, stream.ptr)
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    if not bool(cp.array_equal(out, v)):
+        raise AssertionError("the kernel alone copied wrong data")
+    return v.size * item / statistics.median(times[1:]) / 1e9
 
 
 def layouts(n):
@@ -51,33 +90,46 @@ def main():
     src = cp.ones(n, cp.float32)
     dst = cp.empty_like(src)
 
-    def memcpy():
-        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, n * 4,
-                                    cp.cuda.runtime.memcpyDeviceToDevice, 0)
+    def memcpy(times=1):
+        for _ in range(times):
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, n * 4,
+                                        cp.cuda.runtime.memcpyDeviceToDevice, 0)
         cp.cuda.runtime.streamSynchronize(0)
 
     d2d = n * 4 / seconds(memcpy, args.repeats) / 1e9
+    d2d_pipe = PIPELINE * n * 4 / seconds(lambda: memcpy(PIPELINE), args.repeats) / 1e9
     del src, dst
-    print(f"{jax.devices()[0].device_kind}, {args.mib} MiB delivered; memcpy {d2d:.0f} GB/s")
-    rows = {"memcpy_gbps": d2d, "layouts": {}}
+    print(f"{jax.devices()[0].device_kind}, {args.mib} MiB delivered; memcpy {d2d:.0f} GB/s "
+          f"synchronised, {d2d_pipe:.0f} GB/s pipelined ({PIPELINE} then one wait)")
+    rows = {"memcpy_gbps": d2d, "memcpy_pipelined_gbps": d2d_pipe, "layouts": {}}
+    imp = jax_overlay.from_cuda_array_interface
     for name, make in layouts(n).items():
         v = make()
         size = v.size * 4
-        got = {}
+        got = {"kernel alone": kernel_alone(v, args.repeats)}
         for route, on in (("kernel", True), ("gather", False)):
             jax_overlay.config.strided_kernel = on
             try:
-                def run():
-                    jax_overlay.from_cuda_array_interface(v).block_until_ready()
-                got[route] = size / seconds(run, args.repeats) / 1e9
+                def one():
+                    imp(v).block_until_ready()
+
+                def pipelined():
+                    for x in [imp(v) for _ in range(PIPELINE)]:
+                        x.block_until_ready()
+                got[route] = size / seconds(one, args.repeats) / 1e9
+                got[route + " pipelined"] = PIPELINE * size / seconds(pipelined, args.repeats) / 1e9
             except Exception as err:  # noqa: BLE001
-                got[route] = None
+                got[route] = got[route + " pipelined"] = None
                 print(f"  {name}: {route} failed: {type(err).__name__}: {err}"[:300])
             finally:
                 jax_overlay.config.strided_kernel = True
         rows["layouts"][name] = got
-        print(f"  {name:46s} kernel {got['kernel'] or 0:7.0f} GB/s ({(got['kernel'] or 0) / d2d:4.0%})"
-              f"   gather {got['gather'] or 0:7.0f} GB/s ({(got['gather'] or 0) / d2d:4.0%})")
+
+        def pct(key, ref):
+            return f"{got[key] or 0:6.0f} ({(got[key] or 0) / ref:4.0%})"
+        print(f"  {name}\n    kernel alone {pct('kernel alone', d2d)}; synchronised: kernel "
+              f"{pct('kernel', d2d)}, gather {pct('gather', d2d)}; pipelined: kernel "
+              f"{pct('kernel pipelined', d2d_pipe)}, gather {pct('gather pipelined', d2d_pipe)}")
         del v
         cp.get_default_memory_pool().free_all_blocks()
     if args.json:

@@ -68,6 +68,15 @@ CaiSpec Parse(py::handle cai) {
   return spec;
 }
 
+strided::Plan PlanOf(const std::vector<int64_t>& fields, int64_t envelope) {
+  if (fields.size() != strided::kPlanFields) {
+    throw py::value_error("a strided copy plan has " +
+                          std::to_string(strided::kPlanFields) +
+                          " fields, not " + std::to_string(fields.size()));
+  }
+  return strided::FromFields(fields.data(), envelope);
+}
+
 py::object Steal(PyObject* o) {
   if (!o) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(o);
@@ -386,12 +395,7 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.def(
       "check_strided_plan",
       [](const std::vector<int64_t>& plan, int64_t envelope) {
-        if (plan.size() != strided::kPlanFields) {
-          throw py::value_error("a strided copy plan has " +
-                                std::to_string(strided::kPlanFields) +
-                                " fields, not " + std::to_string(plan.size()));
-        }
-        strided::Plan p = strided::FromFields(plan.data(), envelope);
+        strided::Plan p = PlanOf(plan, envelope);
         Error err;
         if (!strided::Validate(p, &err)) Raise(err);
       },
@@ -404,6 +408,26 @@ PYBIND11_MODULE(_xla_ext, m) {
         return py::make_tuple(f.magic, f.shift);
       },
       py::arg("d"), "(magic, shift) with n // d == (n * magic) >> shift.");
+  m.def(
+      "launch_strided_copy",
+      [](const std::vector<int64_t>& plan, int64_t envelope, uintptr_t dst,
+         uintptr_t src, uintptr_t stream) {
+        if (stream == 0) {
+          throw py::value_error(
+              "stream = 0: pass a stream handle (the kernel is loaded into "
+              "that stream's context)");
+        }
+        strided::Plan p = PlanOf(plan, envelope);
+        Error err;
+        if (!strided::Validate(p, &err) ||
+            !strided::Launch(p, dst, src, stream, &err)) {
+          Raise(err);
+        }
+      },
+      py::arg("plan"), py::arg("envelope"), py::arg("dst"), py::arg("src"),
+      py::arg("stream"),
+      "Enqueues the strided copy kernel on `stream` outside XLA, exactly as "
+      "the custom call does (benchmarks and tests: the kernel alone).");
   m.def("strided_copy_ptx", &strided::Ptx,
         "The PTX text of the strided copy kernels.");
 

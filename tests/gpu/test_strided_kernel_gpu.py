@@ -184,3 +184,21 @@ def test_kernel_after_producer_memory_is_reused():
     cp.cuda.Device().synchronize()
     np.testing.assert_array_equal(np.asarray(x), want)
     del junk
+
+
+def test_kernel_alone_on_a_cupy_stream():
+    """The binding the benchmarks time: the same plan check and launch as
+    the custom call, on a caller's stream."""
+    a = cp.arange(64 * 18, dtype=cp.float32).reshape(64, 18)
+    v = a[::-2, 1::3]
+    plan = _strided.kernel_plan(v.shape, (-36, 3), 63 * 18 + 1, 4, 4)
+    out = cp.zeros(v.shape, cp.float32)
+    s = cp.cuda.Stream(non_blocking=True)
+    from jax_overlay import _xla_ext as ext
+    ext.launch_strided_copy(plan, a.size, out.data.ptr, a.data.ptr, s.ptr)
+    s.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(v))
+    with pytest.raises(ValueError, match="envelope of 100 items"):
+        ext.launch_strided_copy(plan, 100, out.data.ptr, a.data.ptr, s.ptr)
+    with pytest.raises(ValueError, match="stream = 0"):
+        ext.launch_strided_copy(plan, a.size, out.data.ptr, a.data.ptr, 0)
