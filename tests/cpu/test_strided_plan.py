@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from jax_overlay import _imports
 from jax_overlay import _strided
 from jax_overlay import _xla_ext as ext
 
@@ -69,19 +70,17 @@ def replay(plan, envelope):
 
 
 def import_plan(v):
-    """The envelope and kernel plan copy_import builds for NumPy view `v`,
-    or (None, None) when the kernel does not take it."""
-    item = v.dtype.itemsize
-    strides = [s // item for s in v.strides]
-    assert all(s * item == t for s, t in zip(strides, v.strides))
-    low = sum((n - 1) * s for n, s in zip(v.shape, strides) if s < 0)
-    span = 1 + sum((n - 1) * abs(s) for n, s in zip(v.shape, strides))
-    base, count, unit, offset = _strided.plan(v.ctypes.data, low, span, item, 0,
+    """The envelope and kernel plan copy_import builds for NumPy view `v`
+    (plan None when the kernel does not take it): the layout from the
+    native parser, as the CAI import gets it, then the same steps."""
+    spec = ext.parse_cai(v.__array_interface__)
+    strides = spec.strides if spec.strides is not None else _imports._row_major(v.shape)
+    base, count, unit, offset = _strided.plan(spec.data, spec.low, spec.span, spec.itemsize, 0,
                                               _strided.GPU_ALIGNMENT)
     raw = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * (count * unit)).from_address(base))
     envelope = raw.view({1: "u1", 2: "u2", 4: "u4", 8: "u8", 16: "V16"}[unit])
-    scale = item // unit
-    plan = _strided.kernel_plan(v.shape, [s * scale for s in strides], offset, item, unit)
+    scale = spec.itemsize // unit
+    plan = _strided.kernel_plan(v.shape, [s * scale for s in strides], offset, spec.itemsize, unit)
     return envelope, plan
 
 
