@@ -17,9 +17,11 @@ README.  `--json PATH` writes the results to PATH and the chart to PATH's
   long kernel, each call is timed on its own: the longest call, and whether
   the producer was still running after the last one (no host blocking);
 * sizes 4 B .. 1 GiB: zero-copy latency (flat), and the copy paths (strided
-  import, copy=True, pinned -> device) in GB/s against memcpy of the same
-  bytes (device to device; host to device for the pinned path), timed to
-  completion, median of repeats;
+  import by our kernel and by the XLA gather, copy=True, pinned -> device)
+  in GB/s against memcpy of the same bytes (device to device; host to device
+  for the pinned path), timed to completion, median of repeats: one copy at
+  a time, and the device copies also 8 back to back with one wait (memcpy
+  likewise), the copy's own rate;
 * floors: the pieces on their own (the peers' protocol methods, jax_overlay's
   native parts, jaxlib's DLPack import) and where an import's time goes.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import importlib
 import json
@@ -482,10 +485,7 @@ def sizes(run):
     if torch is not None:
         zc["peer torch.from_dlpack(a)"] = (torch.from_dlpack, "a")
     out = {"bytes": SIZES, "zero_copy_us": {k: [] for k in zc}, "zero_copy_verified": [],
-           "copy_bytes": COPY_SIZES, "copy_gbps": {k: [] for k in (report.D2D, report.STRIDED,
-                                                                  report.STRIDED_GATHER,
-                                                                  report.COPY_TRUE, report.PINNED,
-                                                                  report.H2D)},
+           "copy_bytes": COPY_SIZES, "copy_gbps": {k: [] for k in _COPY_NAMES},
            "copy_repeats": []}
     for size in SIZES:
         n = size // 4
@@ -525,6 +525,11 @@ def sizes(run):
     run.sizes = out
 
 
+_COPY_NAMES = (report.D2D, report.STRIDED, report.STRIDED_GATHER, report.COPY_TRUE, report.PINNED,
+               report.H2D, report.D2D_B2B, report.STRIDED_B2B, report.STRIDED_GATHER_B2B,
+               report.COPY_TRUE_B2B)
+
+
 def _copies(size, repeats, on_device, run):
     """GB/s of each copy path for `size` bytes delivered."""
     n = size // 4
@@ -537,9 +542,10 @@ def _copies(size, repeats, on_device, run):
     pinned[:] = 1.0
     cp.cuda.runtime.deviceSynchronize()
 
-    def memcpy():
-        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, size,
-                                    cp.cuda.runtime.memcpyDeviceToDevice, 0)
+    def memcpy(times=1):
+        for _ in range(times):
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, size,
+                                        cp.cuda.runtime.memcpyDeviceToDevice, 0)
         cp.cuda.runtime.streamSynchronize(0)
 
     def h2d():
@@ -547,18 +553,20 @@ def _copies(size, repeats, on_device, run):
                                     cp.cuda.runtime.memcpyHostToDevice, 0)
         cp.cuda.runtime.streamSynchronize(0)
 
-    def strided_import():
-        return jax_overlay.from_cuda_array_interface(strided).block_until_ready()
+    def strided_import(times=1):
+        xs = [jax_overlay.from_cuda_array_interface(strided) for _ in range(times)]
+        return [x.block_until_ready() for x in xs][-1]
 
-    def strided_gather():
+    def strided_gather(times=1):
         jax_overlay.config.strided_kernel = False
         try:
-            return strided_import()
+            return strided_import(times)
         finally:
             jax_overlay.config.strided_kernel = True
 
-    def copy_true():
-        return jax_overlay.from_dlpack(src, copy=True).block_until_ready()
+    def copy_true(times=1):
+        xs = [jax_overlay.from_dlpack(src, copy=True) for _ in range(times)]
+        return [x.block_until_ready() for x in xs][-1]
 
     host_view = None
 
@@ -581,18 +589,22 @@ def _copies(size, repeats, on_device, run):
         r = pinned_put()
         _check(r.sharding.memory_kind == "device" and float(jnp.min(r)) == 1.0, "pinned -> device: wrong result")
 
-    gbps = dict.fromkeys((report.D2D, report.STRIDED, report.STRIDED_GATHER, report.COPY_TRUE,
-                          report.PINNED, report.H2D))
+    gbps = dict.fromkeys(_COPY_NAMES)
     try:
         first_checks()
     except Exception as err:  # noqa: BLE001
         run.errors.append(f"copies at {size} B: {doctor.describe(err)}")
         return gbps
-    for name, op in ((report.D2D, memcpy), (report.STRIDED, strided_import),
-                     (report.STRIDED_GATHER, strided_gather), (report.COPY_TRUE, copy_true),
-                     (report.PINNED, pinned_put), (report.H2D, h2d)):
+    b2b = functools.partial
+    for name, op, times in ((report.D2D, memcpy, 1), (report.STRIDED, strided_import, 1),
+                            (report.STRIDED_GATHER, strided_gather, 1), (report.COPY_TRUE, copy_true, 1),
+                            (report.PINNED, pinned_put, 1), (report.H2D, h2d, 1),
+                            (report.D2D_B2B, b2b(memcpy, report.PIPELINE), report.PIPELINE),
+                            (report.STRIDED_B2B, b2b(strided_import, report.PIPELINE), report.PIPELINE),
+                            (report.STRIDED_GATHER_B2B, b2b(strided_gather, report.PIPELINE), report.PIPELINE),
+                            (report.COPY_TRUE_B2B, b2b(copy_true, report.PIPELINE), report.PIPELINE)):
         try:
-            gbps[name] = round(size / _seconds(op, repeats) / 1e9, 2)
+            gbps[name] = round(times * size / _seconds(op, repeats) / 1e9, 2)
         except Exception as err:  # noqa: BLE001
             run.errors.append(f"{name} at {size} B: {doctor.describe(err)}")
     return gbps
