@@ -363,7 +363,7 @@ std::mutex g_modules_mu;
 }  // namespace
 
 bool PtxFunction(uintptr_t stream, int ordinal, const std::string& ptx,
-                 const char* name, void** fn, Error* err) {
+                 const char* name, Function* fn, Error* err) {
   if (!Load(err)) return false;
   CUcontext ctx = nullptr;
   if (stream) {
@@ -399,18 +399,18 @@ bool PtxFunction(uintptr_t stream, int ordinal, const std::string& ptx,
     }
     it = m.fns.emplace(name, f).first;
   }
-  *fn = it->second;
+  fn->fn = it->second;
+  fn->ctx = ctx;
   return true;
 }
 
-bool Launch(void* fn, unsigned grid, unsigned block, uintptr_t stream,
-            void** params, Error* err) {
-  CUcontext ctx = nullptr;
-  CUresult r = g_cu.StreamGetCtx(reinterpret_cast<CUstream>(stream), &ctx);
-  if (r != kSuccess) return DriverFail(err, "cuStreamGetCtx", r);
+bool Launch(const Function& fn, unsigned grid, unsigned block,
+            uintptr_t stream, void** params, Error* err) {
+  // A module's function launches only with its own context current.
   ScopedContext scope;
-  if (!scope.Enter(ctx, err)) return false;
-  r = g_cu.LaunchKernel(fn, grid, 1, 1, block, 1, 1, 0,
+  if (!scope.Enter(static_cast<CUcontext>(fn.ctx), err)) return false;
+  CUresult r =
+      g_cu.LaunchKernel(fn.fn, grid, 1, 1, block, 1, 1, 0,
                         reinterpret_cast<CUstream>(stream), params, nullptr);
   if (r != kSuccess) return DriverFail(err, "cuLaunchKernel", r);
   return true;

@@ -69,17 +69,24 @@ class DeviceScope {
   bool pushed_ = false;
 };
 
+// A function of a PTX module and the context it was loaded in.
+struct Function {
+  void* fn = nullptr;
+  void* ctx = nullptr;
+};
+
 // A function of a PTX module, JIT-compiled by the driver the first time a
 // context asks for it and cached for the life of the process (the module is
 // never unloaded: XLA may hold launches of it in flight at exit).  The
 // context is the one `stream` belongs to, or, for stream 0, the primary
 // context of device `ordinal`.
 bool PtxFunction(uintptr_t stream, int ordinal, const std::string& ptx,
-                 const char* name, void** fn, Error* err);
+                 const char* name, Function* fn, Error* err);
 
-// cuLaunchKernel of a PtxFunction on `stream`, 1-D grid and block.
-bool Launch(void* fn, unsigned grid, unsigned block, uintptr_t stream,
-            void** params, Error* err);
+// cuLaunchKernel of a PtxFunction on `stream` (of the function's context),
+// 1-D grid and block.
+bool Launch(const Function& fn, unsigned grid, unsigned block,
+            uintptr_t stream, void** params, Error* err);
 
 int DriverVersion();  // 0 when unknown
 int DeviceCount();    // 0 when unknown

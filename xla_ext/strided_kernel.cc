@@ -216,7 +216,7 @@ bool Launch(const Plan& p, uintptr_t dst, uintptr_t src, uintptr_t stream,
             Error* err) {
   if (p.count == 0) return true;
   const UnitCode* u = ForUnit(p.unit);
-  void* fn = nullptr;
+  cuda::Function fn;  // loaded in the stream's context
   if (!cuda::PtxFunction(stream, 0, Ptx(), u->entry, &fn, err)) return false;
   uint64_t d = dst;
   uint64_t s = src + uint64_t(p.offset * p.unit);
@@ -236,7 +236,7 @@ bool Launch(const Plan& p, uintptr_t dst, uintptr_t src, uintptr_t stream,
 
 bool Prepare(int ordinal, Error* err) {
   for (const UnitCode& u : kUnits) {
-    void* fn = nullptr;
+    cuda::Function fn;
     if (!cuda::PtxFunction(0, ordinal, Ptx(), u.entry, &fn, err)) return false;
   }
   return true;
