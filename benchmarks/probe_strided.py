@@ -22,7 +22,7 @@ import cupy as cp
 import jax
 
 import jax_overlay
-from jax_overlay import _strided
+from jax_overlay import _imports, _strided
 from jax_overlay import _xla_ext as ext
 
 PIPELINE = 8
@@ -41,12 +41,10 @@ def seconds(fn, repeats):
 def kernel_alone(v, repeats):
     """GB/s of the kernel by itself on CuPy view `v` (float32), or None
     when the kernel does not take the layout."""
-    item = v.dtype.itemsize
-    cai = v.__cuda_array_interface__
-    strides = [s // item for s in (cai["strides"] or ())] or [1]
-    low = sum((n - 1) * s for n, s in zip(v.shape, strides) if s < 0)
-    span = 1 + sum((n - 1) * abs(s) for n, s in zip(v.shape, strides))
-    base, count, unit, offset = _strided.plan(cai["data"][0], low, span, item, 0,
+    spec = ext.parse_cai(v.__cuda_array_interface__)  # the layout the import sees
+    item = spec.itemsize
+    strides = spec.strides if spec.strides is not None else _imports._row_major(v.shape)
+    base, count, unit, offset = _strided.plan(spec.data, spec.low, spec.span, item, 0,
                                               _strided.GPU_ALIGNMENT)
     plan = _strided.kernel_plan(v.shape, [s * (item // unit) for s in strides], offset, item, unit)
     if plan is None:
