@@ -1,0 +1,155 @@
+"""Where one synchronised copy's time goes, by size: stock JAX's own device
+copy (a jitted x * 2, same bytes read and written as memcpy) against
+jax_overlay's strided import, each split into the call (until it returns)
+and the wait (block_until_ready), next to memcpy and the kernel alone.
+
+    python benchmarks/probe_call_cost.py [--repeats 15] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import cupy as cp  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_overlay  # noqa: E402
+from jax_overlay import _imports, _strided  # noqa: E402
+from jax_overlay import _runtime as rt  # noqa: E402
+from jax_overlay import _xla_ext as ext  # noqa: E402
+
+SIZES = [16 << 10, 4 << 20, 64 << 20, 256 << 20, 1 << 30]
+
+
+def split(fn, repeats):
+    """Median (call, wait, total) seconds of fn() then block_until_ready,
+    the device idle before each."""
+    fn().block_until_ready()
+    calls, waits, totals = [], [], []
+    for _ in range(repeats):
+        cp.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        r = fn()
+        t1 = time.perf_counter()
+        r.block_until_ready()
+        t2 = time.perf_counter()
+        del r
+        calls.append(t1 - t0)
+        waits.append(t2 - t1)
+        totals.append(t2 - t0)
+    return [statistics.median(v) for v in (calls, waits, totals)]
+
+
+def events(launch, stream, repeats):
+    """Median CUDA-event time of launch(stream)."""
+    launch(stream)
+    out = []
+    for _ in range(repeats):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        launch(stream)
+        b.record(stream)
+        b.synchronize()
+        out.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+    return statistics.median(out)
+
+
+def each(fn, calls=2000):
+    """Median over 5 rounds of the mean host time of fn() (us)."""
+    for _ in range(50):
+        fn()
+    out = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t) / calls * 1e6)
+        cp.cuda.runtime.deviceSynchronize()
+    return statistics.median(out)
+
+
+def parts():
+    """The strided import's steps, each on its own (small array: the host
+    cost of a step does not depend on the size)."""
+    v = cp.ones((16, 256), cp.float32)[:, ::2]
+    cai = v.__cuda_array_interface__
+    cap, view, dl_type, ordinal, range_start, alignment, busy = ext.plan_cai_import(cai, v, False)
+    device = rt.gpu_device(ordinal)
+    base, count, unit, offset = _strided.plan(view.data, view.low, view.span, view.itemsize,
+                                              range_start, _strided.GPU_ALIGNMENT)
+
+    def capsule():
+        return ext.raw_capsule(v, base, [count], None, "<f4", dl_type, ordinal)
+    envelope = rt.capsule_to_array(capsule(), device, None, None, dl_type)
+    plan = _strided.kernel_plan(v.shape, [s // 4 for s in cai["strides"]], offset, 4, unit)
+    fn = _strided._kernel_fn(v.shape, v.dtype, plan)
+    x = jnp.ones(v.shape, jnp.float32)
+    double = jax.jit(lambda y: y * 2)
+    ready = double(x).block_until_ready()
+    rows = {
+        "whole import": lambda: jax_overlay.from_cuda_array_interface(v),
+        "plan_cai_import": lambda: ext.plan_cai_import(cai, v, False),
+        "order_after": lambda: _imports._order(view, ordinal, device),
+        "raw_capsule": capsule,
+        "capsule + jaxlib import": lambda: rt.capsule_to_array(capsule(), device, None, None,
+                                                               dl_type),
+        "gather() on a ready envelope": lambda: _strided.gather(
+            envelope, v.shape, (256, 2), offset, v.dtype, unit),
+        "kernel jit call alone": lambda: fn(envelope),
+        "stock jit y * 2, same size": lambda: double(x),
+        "block_until_ready, ready array": ready.block_until_ready,
+    }
+    return {k: each(f) for k, f in rows.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    env = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE",
+                                          "XLA_PYTHON_CLIENT_ALLOCATOR")}
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {env}")
+    double = jax.jit(lambda x: x * 2)
+    rows = {"env": env, "sizes": {}, "parts_us": parts()}
+    for k, us in rows["parts_us"].items():
+        print(f"  {k:<32} {us:8.2f} us")
+    for size in SIZES:
+        n = size // 4
+        src, dst = cp.ones(n, cp.float32), cp.empty(n, cp.float32)
+        stream = cp.cuda.Stream(non_blocking=True)
+        memcpy_ev = events(lambda s: cp.cuda.runtime.memcpyAsync(
+            dst.data.ptr, src.data.ptr, size, cp.cuda.runtime.memcpyDeviceToDevice, s.ptr),
+            stream, args.repeats)
+        x = jnp.ones(n, jnp.float32)
+        strided = cp.ones((n // 1024, 2048) if n >= 1024 else (1, 2 * n), cp.float32)[:, ::2]
+        got = {
+            "memcpy (events)": [0, 0, memcpy_ev],
+            "stock jit x * 2": split(lambda: double(x), args.repeats),
+            "strided import (kernel)": split(
+                lambda: jax_overlay.from_cuda_array_interface(strided), args.repeats),
+        }
+        jax_overlay.config.strided_kernel = False
+        got["strided import (gather)"] = split(
+            lambda: jax_overlay.from_cuda_array_interface(strided), args.repeats)
+        jax_overlay.config.strided_kernel = True
+        rows["sizes"][size] = got
+        print(f"{size:>11} B  " + "; ".join(
+            f"{k}: call {c * 1e6:.1f} + wait {w * 1e6:.1f} = {t * 1e6:.1f} us"
+            for k, (c, w, t) in got.items()))
+        del src, dst, x, strided
+        cp.get_default_memory_pool().free_all_blocks()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
