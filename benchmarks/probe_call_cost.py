@@ -101,7 +101,7 @@ def parts():
         "capsule + jaxlib import": lambda: rt.capsule_to_array(capsule(), device, None, None,
                                                                dl_type),
         "gather() on a ready envelope": lambda: _strided.gather(
-            envelope, v.shape, (256, 2), offset, v.dtype, unit),
+            envelope, device, v.shape, (256, 2), offset, v.dtype, unit),
         "kernel jit call alone": lambda: fn(envelope),
         "stock jit y * 2, same size": lambda: double(x),
         "block_until_ready, ready array": ready.block_until_ready,

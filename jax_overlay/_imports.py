@@ -124,7 +124,7 @@ def copy_import(owner, data, shape, strides, dtype, itemsize, low, span,
         # XLA computes on device memory: move the envelope once, gather there,
         # and put the compact result back where the producer kept it.
         envelope = rt.device_put(envelope, rt.memory_sharding(device, "device"))
-    out = _strided.gather(envelope, shape,
+    out = _strided.gather(envelope, device, shape,
                           strides if strides is not None else _row_major(shape),
                           offset, dtype, unit)
     if pinned:

@@ -173,21 +173,36 @@ def _kernel_fn(shape, dtype, plan):
     return jax.jit(lambda envelope: call(envelope, plan=attr))
 
 
-def gather(envelope, shape, elem_strides, offset, dtype, unit):
-    dtype = np.dtype(dtype)
-    itemsize = dtype.itemsize
-    scale = itemsize // unit
-    strides = tuple(int(s) * scale for s in elem_strides)
+@functools.lru_cache(maxsize=256)
+def _route(shape, elem_strides, offset, dtype, unit, device, kernel_on):
+    """(route, jitted copy) for one layout on one device.  Planning costs
+    more than the copy's own dispatch for small arrays, so it is done once
+    per layout; `kernel_on` (config.strided_kernel) is part of the key so
+    that turning the kernel off takes effect at once."""
+    strides = tuple(int(s) * (dtype.itemsize // unit) for s in elem_strides)
     if dtype.kind in _KERNEL_KINDS and dtype.name not in _SUB_BYTE:
-        plan = kernel_plan(shape, strides, offset, itemsize, unit)
-        device = next(iter(envelope.devices()))
+        plan = kernel_plan(shape, strides, offset, dtype.itemsize, unit)
         if plan is not None and not kernel_status(device):
-            return _kernel_fn(tuple(shape), dtype, plan)(envelope)
-    if envelope.shape[0] >= 2**31:  # every index is below the envelope's size
+            return "kernel", _kernel_fn(shape, dtype, plan)
+    # The dtype itself is the cache key: bfloat16's and float8's strings
+    # ('<V2', '|V1') name raw bytes, not the type.
+    return "gather", _gather_fn(shape, strides, offset, dtype, unit)
+
+
+routes = {"kernel": 0, "gather": 0}  # copies per route, for tests and probes
+
+
+def gather(envelope, device, shape, elem_strides, offset, dtype, unit):
+    """The compact copy of the array viewed by `envelope` (on `device`),
+    whose element i is item offset + sum(i_d * elem_strides_d * itemsize /
+    unit) of it: our kernel where it serves, else an XLA gather."""
+    route, fn = _route(tuple(shape), tuple(elem_strides), int(offset), np.dtype(dtype), unit,
+                       device, config.strided_kernel)
+    if route == "gather" and envelope.shape[0] >= 2**31:
+        # Every index the gather computes is below the envelope's size.
         raise BufferError(
             f"a strided import spanning {envelope.shape[0]} items needs 64-bit "
             "indices, which this version of jax_overlay does not generate; "
             "make the array compact on the producer's side first")
-    # The dtype itself is the cache key: bfloat16's and float8's strings
-    # ('<V2', '|V1') name raw bytes, not the type.
-    return _gather_fn(tuple(shape), strides, int(offset), np.dtype(dtype), unit)(envelope)
+    routes[route] += 1
+    return fn(envelope)

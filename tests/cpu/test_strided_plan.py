@@ -200,6 +200,36 @@ def test_ffi_version_read_from_jaxlib_headers():
     assert major == 0 and minor >= 1
 
 
+def test_each_layout_is_planned_once_and_the_switch_replans():
+    """The route of a strided copy is planned once per layout and device;
+    a second producer of the same layout reuses it, another layout or the
+    kernel switch plans anew, and every copy is still the right data."""
+    import jax_overlay
+    from jax_overlay import _testing
+
+    _strided._route.cache_clear()
+    owners = [_testing.aligned_empty((16, 256), np.float32) for _ in range(3)]
+    for k, o in enumerate(owners):
+        o[...] = np.arange(o.size, dtype=np.float32).reshape(o.shape) + 1000 * k
+    before = _strided.routes["gather"]
+    for o in owners[:2]:  # one layout, two producers
+        np.testing.assert_array_equal(np.asarray(_testing.import_host(_testing.HostCAI(o[:, ::2]))),
+                                      o[:, ::2])
+    assert _strided._route.cache_info().misses == 1
+    assert _strided._route.cache_info().hits == 1
+    np.testing.assert_array_equal(np.asarray(_testing.import_host(_testing.HostCAI(owners[2][:, ::4]))),
+                                  owners[2][:, ::4])
+    assert _strided._route.cache_info().misses == 2
+    jax_overlay.config.strided_kernel = False
+    try:
+        np.testing.assert_array_equal(
+            np.asarray(_testing.import_host(_testing.HostCAI(owners[2][:, ::2]))), owners[2][:, ::2])
+    finally:
+        jax_overlay.config.strided_kernel = True
+    assert _strided._route.cache_info().misses == 3
+    assert _strided.routes["gather"] == before + 4  # no kernel on the CPU
+
+
 def test_kernel_status_on_the_cpu_names_why():
     assert "CUDA only" in _strided.kernel_status(jax.devices("cpu")[0])
 

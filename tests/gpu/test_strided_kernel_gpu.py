@@ -20,7 +20,7 @@ imp = jax_overlay.from_cuda_array_interface
 
 
 def kernel_calls():
-    return _strided._kernel_fn.cache_info().misses + _strided._kernel_fn.cache_info().hits
+    return _strided.routes["kernel"]
 
 
 def both_routes(importer, v):
