@@ -1,7 +1,9 @@
 """Where one synchronised copy's time goes, by size: stock JAX's own device
 copy (a jitted x * 2, same bytes read and written as memcpy) against
 jax_overlay's strided import, each split into the call (until it returns)
-and the wait (block_until_ready), next to memcpy and the kernel alone.
+and the wait (block_until_ready), next to memcpy by CUDA events; then the
+strided import's steps one by one, and the copy=True import's beside
+stock JAX's own (small arrays: the host's cost per call).
 
     python benchmarks/probe_call_cost.py [--repeats 15] [--json F]
 """
@@ -91,6 +93,7 @@ def parts():
     plan = _strided.kernel_plan(v.shape, [s // 4 for s in cai["strides"]], offset, 4, unit)
     fn = _strided._kernel_fn(v.shape, v.dtype, plan)
     x = jnp.ones(v.shape, jnp.float32)
+    w = cp.ones(v.shape, cp.float32)  # compact: the copy=True rows
     double = jax.jit(lambda y: y * 2)
     ready = double(x).block_until_ready()
     rows = {
@@ -105,8 +108,22 @@ def parts():
         "kernel jit call alone": lambda: fn(envelope),
         "stock jit y * 2, same size": lambda: double(x),
         "block_until_ready, ready array": ready.block_until_ready,
+        "copy=True import (DLPack)": lambda: jax_overlay.from_dlpack(w, copy=True),
+        "stock jax.dlpack.from_dlpack(a, copy=True)": lambda: jax.dlpack.from_dlpack(w, copy=True),
+        "zero-copy import (DLPack)": lambda: jax_overlay.from_dlpack(w),
+        "device_put copy of a fresh import": lambda: jax.device_put(
+            jax_overlay.from_dlpack(w), ready.sharding, may_alias=False),
+        "device_put copy of a held array": lambda: jax.device_put(ready, ready.sharding,
+                                                                  may_alias=False),
     }
-    return {k: each(f) for k, f in rows.items()}
+    out = {}
+    for k, f in rows.items():
+        try:
+            out[k] = each(f)
+        except Exception as err:  # noqa: BLE001
+            out[k] = None
+            print(f"  {k}: {type(err).__name__}: {err}"[:200])
+    return out
 
 
 def main():
@@ -120,7 +137,7 @@ def main():
     double = jax.jit(lambda x: x * 2)
     rows = {"env": env, "sizes": {}, "parts_us": parts()}
     for k, us in rows["parts_us"].items():
-        print(f"  {k:<32} {us:8.2f} us")
+        print(f"  {k:<44} {us and round(us, 2)} us")
     for size in SIZES:
         n = size // 4
         src, dst = cp.ones(n, cp.float32), cp.empty(n, cp.float32)
