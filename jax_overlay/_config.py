@@ -3,6 +3,7 @@
     jax_overlay.config.cai_sync = False       # or JAX_OVERLAY_CAI_SYNC=0
     jax_overlay.config.cai_read_only = True   # or JAX_OVERLAY_CAI_READ_ONLY=1
     jax_overlay.config.strided_kernel = False # or JAX_OVERLAY_STRIDED_KERNEL=0
+    jax_overlay.config.strict_copy = True     # or JAX_OVERLAY_STRICT_COPY=1
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ class Config:
 
     strided_kernel: on CUDA, the one copy of a strided or misaligned import
     runs jax_overlay's own kernel as an XLA custom call (default).  Off, an
-    XLA gather writes it, as it does on other platforms."""
+    XLA gather writes it, as it does on other platforms.
+
+    strict_copy: ``copy=False`` also refuses the conversion of 64-bit data
+    to 32 bits (JAX's default mode), as the Array API reads ``copy=False``.
+    Off by default: stock JAX converts whatever ``copy`` says, and code
+    that passes ``copy=False`` for every tensor relies on it."""
 
     def __init__(self):
         self.cai_sync = _flag("JAX_OVERLAY_CAI_SYNC", True)
         self.cai_read_only = _flag("JAX_OVERLAY_CAI_READ_ONLY", False)
         self.strided_kernel = _flag("JAX_OVERLAY_STRIDED_KERNEL", True)
+        self.strict_copy = _flag("JAX_OVERLAY_STRICT_COPY", False)
 
 
 config = Config()

@@ -14,6 +14,7 @@ import numpy as np
 from . import _runtime as rt
 from . import _xla_ext as ext
 from ._config import config
+from ._errors import CopyRequiredError, JaxRuntimeError, like_stock
 
 # Tests set this to describe CPU arrays too (host memory), so CI can check
 # the dict builder on real JAX buffers.
@@ -64,10 +65,12 @@ _CAI_DTYPES = frozenset(np.dtype(t) for t in (
 
 def _typestr(dtype):
     if dtype not in _CAI_DTYPES:
+        # Stock JAX's words ("not supported for BF16") where it has them.
+        name = "BF16" if dtype.name == "bfloat16" else str(dtype)
         raise AttributeError(
-            f"a {dtype} array has no __cuda_array_interface__: the CUDA Array "
-            "Interface has no type string for it; use DLPack (__dlpack__ / "
-            "jax.dlpack) instead")
+            f"__cuda_array_interface__ is not supported for {name} buffers: "
+            f"the CUDA Array Interface has no type string for {dtype}; use "
+            "DLPack (__dlpack__ / jax.dlpack) instead")
     return dtype.str
 
 
@@ -94,14 +97,15 @@ def _check(x):
     devices = x.sharding.device_set
     if len(devices) != 1:
         raise AttributeError(
-            f"__cuda_array_interface__ describes one buffer, but this array is "
-            f"sharded over {len(devices)} devices; export each shard instead: "
+            f"__cuda_array_interface__ is only supported for unsharded arrays. "
+            f"It describes one buffer, but this array is sharded over "
+            f"{len(devices)} devices; export each shard instead: "
             f"{_PER_SHARD}.__cuda_array_interface__")
     device = next(iter(devices))
     if device.platform != "gpu" and not (_allow_host and device.platform == "cpu"):
         raise AttributeError(
-            f"__cuda_array_interface__ is only defined for arrays on a CUDA GPU; "
-            f"this one is on {device}")
+            f"__cuda_array_interface__ is only defined for NVidia GPU buffers. "
+            f"This array is on {device}")
 
 
 def _cuda_ordinal(ptr):
@@ -275,7 +279,7 @@ def _dl_check(x):
     try:
         _check(x)
     except AttributeError as e:
-        if "only defined for arrays on a CUDA GPU" not in str(e):
+        if "only defined for NVidia GPU buffers" not in str(e):
             raise BufferError(str(e).replace("__cuda_array_interface__", "__dlpack__")) from None
 
 
@@ -371,19 +375,23 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
         if src_type == _KDLCUDAHOST and want == (_KDLCPU, 0):
             target = want  # the same pinned memory, read by the host
         else:
-            if copy is False:
-                raise BufferError(
-                    f"dl_device={want} differs from the array's {target}, which "
-                    "needs a copy; pass copy=None or copy=True")
+            # The device first, as stock JAX does: an unknown one is its
+            # error whatever copy= says.
             if want[0] == _KDLCPU:
                 dest = rt.host_device()
             elif want[0] == _KDLCUDA:
                 try:
                     dest = rt.gpu_device(want[1])
                 except BufferError as e:
-                    raise BufferError(f"dl_device={want}: {e}") from None
+                    raise like_stock(type(e)(f"dl_device={want}: {e}"), RuntimeError) from None
             else:
                 raise BufferError(f"dl_device={want}: jax_overlay exports to kDLCPU or kDLCUDA")
+            if copy is False:
+                raise CopyRequiredError(
+                    f"Specified dl_device={want} which requires a copy since the "
+                    f"source device is {target}, however copy=False (another "
+                    "device needs a copy). Set copy=True or copy=None to "
+                    "perform the requested operation.")
             x, copied, target = rt.device_put(x, dest), True, want
     if copy and not copied:
         x, copied = rt.device_put(x, x.sharding, may_alias=False), True
@@ -395,7 +403,10 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
     ready = x.is_ready()
     if target[0] == _KDLCPU:
         if stream not in (None, -1):
-            raise BufferError(f"stream={stream!r} for host memory: CPU consumers pass None")
+            # Stock jaxlib: UNIMPLEMENTED, a JaxRuntimeError.
+            raise like_stock(BufferError(
+                f"stream={stream!r} for host memory: CPU consumers pass None"),
+                JaxRuntimeError)
         if not ready:
             x.block_until_ready()  # a host reader has no stream to wait on
             ready = True

@@ -12,6 +12,8 @@ from . import _exports
 from . import _runtime as rt
 from . import _strided
 from . import _xla_ext as ext
+from ._config import config
+from ._errors import CopyRequiredError, LayoutCopyRequiredError
 
 _KDLCPU, _KDLCUDA, _KDLCUDAHOST = 1, 2, 3
 
@@ -89,9 +91,13 @@ def import_view(cap, device, copy, dl_type):
         return rt.capsule_to_array(cap, device, None, copy, dl_type)
     except Exception as e:  # jaxlib's runtime error type
         if "aligned" in str(e):
-            raise BufferError(
-                f"cannot import the array without a copy: {e}; pass "
-                "copy=None or copy=True") from None
+            # Stock JAX's words and class (ValueError), and the protocol's.
+            raise CopyRequiredError(
+                "Specified input which requires a copy since the source data "
+                f"buffer is not aligned as jaxlib needs ({e}). However "
+                "copy=False, and jax_overlay cannot import the array without a "
+                "copy. Set copy=True or copy=None to perform the requested "
+                "operation.") from None
         if "DLPack" in str(e):  # e.g. a float8 code this jaxlib predates
             raise BufferError(f"this jaxlib cannot import the tensor: {e}") from None
         raise
@@ -106,15 +112,21 @@ def copy_import(owner, data, shape, strides, dtype, itemsize, low, span,
     string (bfloat16 and float8 have no string).  BufferError when
     copy=False."""
     if copy is False:
-        why = ("its strides are not a compact layout" if layout == "strided"
+        why = ("its strides are not a compact layout (jaxlib views only "
+               "trivial (compact) striding)" if layout == "strided"
                else f"its pointer {data:#x} is not {alignment}-byte aligned")
-        raise BufferError(
-            f"cannot import the array without a copy: {why} "
-            f"(shape {shape}, strides {strides} elements); pass "
-            "copy=None or copy=True for one copy on the same device")
+        raise LayoutCopyRequiredError(
+            f"Specified input which requires a copy since {why} (shape "
+            f"{shape}, strides {strides} elements). However copy=False, and "
+            "jax_overlay cannot import the array without a copy. Set copy=True "
+            "or copy=None for one copy on the same device.")
     dtype = np.dtype(dtype)
+    range_size = 0
+    if dl_type != _KDLCPU:
+        # The allocation the pointer lies in: no envelope may leave it.
+        range_start, range_size = ext.pointer_info(data)[4:6]
     base, count, unit, offset = _strided.plan(
-        data, low, span, itemsize, range_start, _strided.GPU_ALIGNMENT)
+        data, low, span, itemsize, range_start, _strided.GPU_ALIGNMENT, range_size)
     cap = ext.raw_capsule(owner, base, [count], None,
                           _exports._dl_dtype(dtype) if unit == itemsize else "|u1",
                           dl_type, ordinal)
@@ -156,10 +168,11 @@ def place(arr, copied, device, copy):
     if device is None or _same_place(arr, device):
         return arr, copied
     if copy is False:
-        raise BufferError(
-            f"the array lives on {arr.sharding} and device={device} asks "
-            "for another place, which needs a copy; pass copy=None or "
-            "copy=True")
+        raise CopyRequiredError(
+            f"Specified device={device} which requires a copy since the "
+            f"source array lives on {arr.sharding}, however copy=False (the "
+            "other place needs a copy). Set copy=True or copy=None to perform "
+            "the requested operation.")
     return rt.device_put(arr, device), True
 
 
@@ -170,11 +183,13 @@ def finish(arr, copied, *, device=None, copy=None):
     if dtype.itemsize == 8 and dtype.kind != "c" or dtype.itemsize == 16:
         dtype = rt.canonical(dtype)  # only 64-bit types can be narrowed
     if dtype != arr.dtype:
-        if copy is False:
-            raise BufferError(
+        # Stock JAX converts whatever copy= says; config.strict_copy refuses.
+        if copy is False and config.strict_copy:
+            raise CopyRequiredError(
                 f"the array is {arr.dtype} but JAX is in 32-bit mode, so a "
-                f"conversion to {dtype} (a copy) is needed; enable "
-                "jax_enable_x64 or pass copy=None")
+                f"conversion to {dtype} (a copy) is needed, and copy=False with "
+                "jax_overlay.config.strict_copy on forbids it; enable "
+                "jax_enable_x64, pass copy=None, or turn strict_copy off")
         arr, copied = arr.astype(dtype), True
     arr, copied = place(arr, copied, device, copy)
     if copy and not copied:
@@ -200,7 +215,10 @@ def from_cuda_array_interface(obj, *, device=None, copy=None):
     * ``device=``: another device or memory kind copies there (BufferError
       with ``copy=False``); ``copy=True`` always returns a fresh buffer.
     * Like ``jax.dlpack.from_dlpack``, 64-bit data is converted to 32 bits
-      unless ``jax_enable_x64`` is set (a copy; BufferError with copy=False).
+      unless ``jax_enable_x64`` is set (a copy, even with ``copy=False``, as
+      stock JAX does; ``config.strict_copy`` refuses it instead).
+    * Refusals of ``copy=False`` raise :class:`CopyRequiredError`, both the
+      protocols' ``BufferError`` and stock JAX's ``ValueError``.
     """
     arr, copied = import_cai(obj, copy=copy)
     return finish(arr, copied, device=device, copy=copy)

@@ -27,6 +27,7 @@ from . import _dlpack
 from . import _exports
 from . import _imports
 from . import _runtime as rt
+from ._errors import JaxRuntimeError, like_stock
 
 _lock = threading.Lock()
 _saved: dict[tuple[object, str], object] = {}
@@ -37,21 +38,27 @@ _JAX_NATIVE = frozenset({rt.ArrayImpl, np.ndarray, int, float, complex, bool,
                          list, tuple, type(None)})
 
 
-def _foreign(obj, copy):
+def _foreign(obj, copy, stock_error):
     """(view, copied) for a foreign array in CUDA memory (device, pinned or
-    managed), else None: DLPack when the object has it, else its CUDA Array
-    Interface."""
+    managed), else None, by the cheapest safe route the object offers
+    (_dlpack.import_foreign).  A refusal is raised as an instance of
+    `stock_error` too: the class stock JAX raises at this entry point for a
+    foreign array it cannot take."""
     t = type(obj)
     if t in _JAX_NATIVE or isinstance(obj, np.generic) or hasattr(obj, "__jax_array__"):
         return None
-    # No host device: host arrays keep JAX's own path (see the module doc).
-    return _dlpack.import_foreign(obj, copy)
+    try:
+        # No host device: host arrays keep JAX's own path (see the module doc).
+        return _dlpack.import_foreign(obj, copy)
+    except (BufferError, TypeError, ValueError) as e:
+        raise like_stock(e, stock_error) from e.__cause__
 
 
 def _asarray(orig):
     @functools.wraps(orig)
     def asarray(a, dtype=None, order=None, *, copy=None, device=None, **kwargs):
-        hit = _foreign(a, copy)
+        # Stock's CAI import raises jaxlib's runtime error for what it refuses.
+        hit = _foreign(a, copy, JaxRuntimeError)
         if hit is None:
             return orig(a, dtype, order, copy=copy, device=device, **kwargs)
         view, copied = hit
@@ -76,7 +83,7 @@ def _array(orig):
     @functools.wraps(orig)
     def array(object, dtype=None, *, copy=True, order="K", ndmin=0,
               device=None, **kwargs):
-        hit = _foreign(object, copy)
+        hit = _foreign(object, copy, JaxRuntimeError)  # as in asarray
         if hit is None:
             return orig(object, dtype, copy=copy, order=order, ndmin=ndmin,
                         device=device, **kwargs)
@@ -93,7 +100,8 @@ def _array(orig):
 
 
 def _leaf(x):
-    hit = _foreign(x, None)
+    # Stock device_put refuses every foreign array with TypeError.
+    hit = _foreign(x, None, TypeError)
     if hit is None:
         return x
     view, copied = hit

@@ -51,7 +51,8 @@ def gpu_backend():
     try:
         return _xb.get_backend("cuda")
     except RuntimeError as e:
-        raise BufferError(
+        from ._errors import NoCudaError
+        raise NoCudaError(
             "JAX has no CUDA backend in this process, so it cannot hold GPU "
             "memory; install jax with its CUDA plugin (pip install "
             f"'jax[cuda13]') or keep the array on the host ({e})") from None
@@ -132,6 +133,16 @@ def external_reference(x):
     from its destructor.  Only for ready arrays: on jaxlib 0.11.2 it waits
     on the host for pending ones."""
     return _jax.buffer_to_dlpack_managed_tensor(x)
+
+
+try:
+    x64 = jax.enable_x64  # a context manager: x64(True) for 64-bit traces
+except AttributeError:  # jax < 0.8
+    from jax.experimental import enable_x64 as _on
+
+    def x64(on=True):
+        from jax.experimental import disable_x64
+        return _on() if on else disable_x64()
 
 
 def canonical(dtype):

@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 import jax.numpy as jnp
 
+from . import _runtime as rt
 from . import _xla_ext as ext
 from ._config import config
 
@@ -31,21 +32,32 @@ from ._config import config
 GPU_ALIGNMENT = 16
 
 
-def plan(data, low, span, itemsize, range_start, alignment):
+def plan(data, low, span, itemsize, range_start, alignment, range_size=0):
     """(base, count, unit, offset): the envelope holds `count` items of
     `unit` bytes from address `base`; element 0 of the array is item
     `offset`.  Units are whole elements unless the pointer itself is not
-    element-aligned."""
+    element-aligned.  `range_start`, `range_size`: the allocation the
+    pointer lies in, when the driver knows it (0 otherwise): the envelope
+    must lie inside it, whatever the producer's strides claim."""
     lo = data + low * itemsize
     hi = data + (low + span) * itemsize
     base = lo - lo % alignment
-    if range_start and base < range_start:
+    start, size = range_start, range_size
+    if start and base < start:
         raise BufferError(
             f"cannot align an envelope for pointer {data:#x} inside its "
-            f"allocation starting at {range_start:#x}; copy the array to a "
+            f"allocation starting at {start:#x}; copy the array to a "
             "fresh, aligned buffer on the producer's side first")
     unit = itemsize if data % itemsize == 0 else 1
     count = -(-(hi - base) // unit)
+    if size and (lo < start or base + count * unit > start + size):
+        # Never read: the producer's shape and strides contradict its own
+        # memory (CuPy 14.2's __dlpack__ of a reversed view is one such).
+        raise BufferError(
+            f"the array's elements span [{lo:#x}, {hi:#x}), beyond the "
+            f"allocation [{start:#x}, {start + size:#x}) its pointer lies in: "
+            "the producer's strides are wrong; import it through its "
+            "__cuda_array_interface__ or copy it on the producer's side first")
     return base, count, unit, (data - base) // unit
 
 
@@ -205,4 +217,11 @@ def gather(envelope, device, shape, elem_strides, offset, dtype, unit):
             "indices, which this version of jax_overlay does not generate; "
             "make the array compact on the producer's side first")
     routes[route] += 1
-    return fn(envelope)
+    if np.dtype(dtype).itemsize < 8:
+        return fn(envelope)
+    # 64-bit items are moved as 64-bit items: in JAX's default 32-bit mode
+    # a trace would narrow them (the gather's uint64 bit view became uint32,
+    # the kernel's output buffer half its size).  The caller converts the
+    # compact copy as JAX does, afterwards.
+    with rt.x64(True):
+        return fn(envelope)

@@ -35,6 +35,7 @@ def stage(src, suites):
     shutil.copy(src / "pyproject.toml", dest)  # pytest's markers and options
     (dest / "tests").mkdir()
     shutil.copy(src / "tests" / "conftest.py", dest / "tests")
+    shutil.copy(src / "tests" / "dropin.py", dest / "tests")  # both suites' harness
     for suite in suites:
         shutil.copytree(src / suite, dest / suite)
     if (src / "benchmarks").is_dir():  # the GPU suite runs the stress script

@@ -160,7 +160,7 @@ def test_cpu_arrays_have_no_cai_even_installed():
     jax_overlay.install()
     try:
         assert not hasattr(x, "__cuda_array_interface__")
-        with pytest.raises(AttributeError, match="only defined for arrays on a CUDA GPU"):
+        with pytest.raises(AttributeError, match="only defined for NVidia GPU buffers"):
             x.__cuda_array_interface__
     finally:
         jax_overlay.uninstall()
@@ -220,7 +220,7 @@ def test_kept_facts_go_with_the_array():
     _exports._remember(z, (12345, "<f4", (3,), None))
     # y under z's key: the reference check turns the forged entry away.
     _exports._ready_facts[id(y)] = _exports._ready_facts.pop(id(z))
-    with pytest.raises(AttributeError, match="only defined for arrays on a CUDA GPU"):
+    with pytest.raises(AttributeError, match="only defined for NVidia GPU buffers"):
         _exports.cuda_array_interface(y)
     _exports._ready_facts.pop(id(y), None)
     del z

@@ -10,6 +10,7 @@ import ml_dtypes  # noqa: F401  (jax needs it; keeps the import explicit)
 import numpy as np
 import pytest
 
+import jax_overlay
 from jax_overlay import _imports
 from jax_overlay import _testing as T
 from jax_overlay import _xla_ext as ext
@@ -44,13 +45,20 @@ def test_zero_copy_every_dtype(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.uint64, np.float64, np.complex128])
-def test_x64_off_converts_like_jax(dtype):
+def test_x64_off_converts_like_jax(dtype, monkeypatch):
     a = filled((5,), dtype)
     x = T.import_host(T.HostCAI(a))
     assert x.dtype == jax.dtypes.canonicalize_dtype(dtype)
     np.testing.assert_array_equal(np.asarray(x), a.astype(x.dtype))
-    with pytest.raises(BufferError, match="jax_enable_x64"):
+    # copy=False converts too, as stock JAX's from_dlpack does ...
+    y = T.import_host(T.HostCAI(a), copy=False)
+    assert y.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    # ... unless the strict reading of copy=False is asked for.
+    monkeypatch.setattr(jax_overlay.config, "strict_copy", True)
+    with pytest.raises(BufferError, match="jax_enable_x64") as e:
         T.import_host(T.HostCAI(a), copy=False)
+    assert isinstance(e.value, ValueError)  # stock JAX's class for copy=False
 
 
 def test_fortran_and_transposed_are_views():

@@ -1,0 +1,128 @@
+"""The drop-in rule on the CPU, differentially (tests/dropin.py): every entry
+point x NumPy and other host producers x dtype x layout x copy x device, on
+stock JAX and installed in one process, in 32- and 64-bit mode; then the
+exports of JAX arrays, read by NumPy and called directly."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dropin as D
+from jax_overlay import _runtime as rt
+from jax_overlay import _testing as T
+
+
+def _producers(dtype):
+    """name -> factory of a fresh host producer of `dtype`."""
+    out = {}
+    for name in D.LAYOUTS:
+        def make(name=name):
+            return D.layout(D.values((8, 16), dtype), name)
+        out[name] = make
+
+    def read_only():
+        a = D.values((8, 16), dtype)
+        a.flags.writeable = False
+        return a
+    out["read_only"] = read_only
+    # A producer that predates the keywords of 2023: TypeError on max_version.
+    out["legacy_dlpack"] = lambda: _Legacy(D.values((8, 16), dtype))
+    # Host memory behind a CUDA Array Interface: no GPU can hold it.
+    out["cai_on_host"] = lambda: T.HostCAI(D.values((8, 16), dtype))
+    return out
+
+
+def _truth(obj):
+    """The host values a producer holds."""
+    return np.asarray(getattr(obj, "a", getattr(obj, "array", obj)))
+
+
+class _Legacy:
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, stream=None):
+        return self.a.__dlpack__(stream=stream)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def _coords():
+    cpu = jax.devices("cpu")[0]
+    return [(copy, dname, dev) for copy in D.COPIES for dname, dev in (
+        ("None", None), ("cpu0", cpu),
+        ("cpu0-sharding", jax.sharding.SingleDeviceSharding(cpu)))]
+
+
+def _check(diffs, counts):
+    assert counts["stock ok"] > 0
+    assert not diffs, f"{len(diffs)} differences:\n" + "\n".join(diffs[:40])
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("dtype", D.DTYPES, ids=str)
+def test_imports_match_stock(dtype, x64):
+    cases = D.import_cases(D.IMPORTS, _producers(dtype), _coords(), _truth)
+    with rt.x64(x64):
+        _check(*D.differential(cases))
+
+
+# --- exports ---------------------------------------------------------------
+
+_DLPACK_CALLS = {
+    "default": {}, "v0.8": {"max_version": (0, 8)}, "v1.0": {"max_version": (1, 0)},
+    "v9.0": {"max_version": (9, 0)}, "v0.4": {"max_version": (0, 4)},
+    "copy=True": {"copy": True}, "copy=False": {"copy": False},
+    "cpu": {"dl_device": (1, 0)}, "cpu,copy=False": {"dl_device": (1, 0), "copy": False},
+    "cuda": {"dl_device": (2, 0)}, "cuda,copy=False": {"dl_device": (2, 0), "copy": False},
+    "type99": {"dl_device": (99, 0)}, "stream=None": {"stream": None},
+    "stream=-1": {"stream": -1}, "stream=1": {"stream": 1},
+}
+
+
+def _consume(capsule):
+    """What a NumPy consumer reads from the capsule."""
+    return np.from_dlpack(T.DLPackHolder(capsule)).copy()
+
+
+def _export_cases(dtype):
+    def jax_array():
+        return jnp.asarray(D.values((8, 16), dtype))
+    for name, kw in _DLPACK_CALLS.items():
+        yield (f"__dlpack__({name})", lambda kw=kw: _consume(jax_array().__dlpack__(**kw)),
+               None)
+    for copy in D.COPIES:
+        yield (f"np.from_dlpack(copy={copy})",
+               lambda copy=copy: np.from_dlpack(jax_array(), copy=copy).copy(), None)
+    yield "__dlpack_device__", lambda: jax_array().__dlpack_device__(), None
+    yield "__cuda_array_interface__", lambda: jax_array().__cuda_array_interface__, None
+    yield ("hasattr(__cuda_array_interface__)",
+           lambda: hasattr(jax_array(), "__cuda_array_interface__"), None)
+    yield "np.asarray", lambda: np.asarray(jax_array()), None
+
+
+@pytest.mark.parametrize("dtype", D.DTYPES, ids=str)
+def test_exports_match_stock(dtype):
+    with rt.x64(True):
+        _check(*D.differential(_export_cases(dtype)))
+
+
+def test_the_comparison_can_fail():
+    """The harness itself: a changed dtype, a changed value and a foreign
+    exception class are each reported."""
+    x = jnp.arange(4.0)
+    assert D.compare(D.Outcome(x), D.Outcome(x.astype(jnp.int32)))
+    assert D.wrong(x, np.arange(4.0) + 1) and D.wrong(x, np.arange(4)) and D.wrong(x, np.arange(5.0))
+    assert D.wrong(x, np.arange(4.0)) is None
+    assert D.compare(D.Outcome(x), D.Outcome(x + 1))
+    assert D.compare(D.Outcome(x), D.Outcome(error=ValueError("x")))
+    assert D.compare(D.Outcome(error=ValueError("x")), D.Outcome(error=BufferError("x")))
+    assert D.compare(D.Outcome(error=ValueError("x")), D.Outcome(x)) is None
+
+    class Both(BufferError, ValueError):
+        pass
+    assert D.compare(D.Outcome(error=ValueError("x")), D.Outcome(error=Both("x"))) is None

@@ -1,0 +1,262 @@
+"""The drop-in rule, checked differentially: each case runs on stock JAX and
+with ``jax_overlay.install()`` in the same process, and the two outcomes are
+compared by the rule of the README:
+
+* a call that succeeds on stock succeeds installed with the same type, dtype,
+  shape, values (bit for bit), device set and memory kind;
+* a call that fails on stock either works installed, or raises an instance of
+  stock's exception class.
+
+A case is (entry point, producer factory, keyword arguments).  The factory is
+called afresh for each run, so a consumed capsule or a donated buffer of one
+run never reaches the other.  The CPU suite (tests/cpu/test_dropin.py) and
+the GPU suite (tests/gpu/test_dropin_gpu.py) build their tables from these
+pieces."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.dlpack
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import jax_overlay
+
+# 64-bit, bool, bfloat16 and float8 among them: the types whose handling
+# differs most between paths.
+DTYPES = tuple(np.dtype(t) for t in (
+    np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
+    np.int64, np.uint64, np.float16, np.float32, np.float64, np.complex64,
+    np.complex128, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn))
+
+
+def _random(n, dtype, rng):
+    if dtype == np.bool_:
+        return rng.integers(0, 2, n) == 1
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    if dtype.kind == "c":
+        return (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(dtype)
+    return (rng.standard_normal(n) * 8).astype(dtype)
+
+
+def values(shape, dtype, seed=0):
+    """Deterministic data of every dtype, the same for both runs, in host
+    memory aligned to 64 bytes (what jaxlib views without a copy): both runs
+    must see the same alignment, which NumPy's allocator does not promise."""
+    n = int(np.prod(shape))
+    nbytes = n * dtype.itemsize
+    buf = np.empty(nbytes + 64, np.uint8)
+    start = -buf.ctypes.data % 64
+    out = buf[start:start + nbytes].view(dtype).reshape(shape)
+    out[...] = _random(n, dtype, np.random.default_rng(seed)).reshape(shape)
+    return out
+
+
+def layout(base, name):
+    """A view of `base` (at least 2-D, 8 x 16 items) with the named layout."""
+    if name == "aligned":
+        return base
+    if name == "unaligned":     # one item on: the data pointer loses its alignment
+        return base.reshape(-1)[1:]
+    if name == "strided":       # every other column
+        return base[:, ::2]
+    if name == "reversed":      # negative strides
+        return base[::-1]
+    if name == "transposed":    # a compact permutation (F order)
+        return base.T
+    if name == "0d":
+        return base.reshape(-1)[3]
+    if name == "empty":
+        return base[:0]
+    raise ValueError(name)
+
+
+LAYOUTS = ("aligned", "unaligned", "strided", "reversed", "transposed", "0d", "empty")
+
+
+# --- entry points: (producer, copy, device) -> result -----------------------
+# Each looks its function up at call time: install() replaces them.
+
+def _kw(copy, device):
+    kw = {}
+    if copy is not None:
+        kw["copy"] = copy
+    if device is not None:
+        kw["device"] = device
+    return kw
+
+
+def jax_dlpack_from_dlpack(x, copy, device):
+    return jax.dlpack.from_dlpack(x, **_kw(copy, device))
+
+
+def jnp_from_dlpack(x, copy, device):
+    return jnp.from_dlpack(x, **_kw(copy, device))
+
+
+def jnp_asarray(x, copy, device):
+    return jnp.asarray(x, **_kw(copy, device))
+
+
+def jnp_array(x, copy, device):
+    return jnp.array(x, **_kw(copy, device))
+
+
+def device_put(x, copy, device):
+    may_alias = None if copy is None else not copy
+    return jax.device_put(x, device, may_alias=may_alias)
+
+
+IMPORTS = {f.__name__: f for f in (jax_dlpack_from_dlpack, jnp_from_dlpack,
+                                   jnp_asarray, jnp_array, device_put)}
+
+
+# --- outcomes ---------------------------------------------------------------
+
+@dataclasses.dataclass
+class Outcome:
+    result: object = None
+    error: BaseException | None = None
+
+    def describe(self):
+        if self.error is not None:
+            first = str(self.error).splitlines()[0] if str(self.error) else ""
+            return f"raised {type(self.error).__module__}.{type(self.error).__qualname__}: {first[:200]}"
+        return f"returned {summary(self.result)}"
+
+
+def summary(r):
+    if isinstance(r, jax.Array):
+        return (f"jax.Array {r.dtype}{list(r.shape)} on {sorted(map(str, r.devices()))} "
+                f"({r.sharding.memory_kind})")
+    if isinstance(r, np.ndarray):
+        return f"numpy {r.dtype}{list(r.shape)}"
+    return f"{type(r).__qualname__} {r!r:.80}"
+
+
+def run(fn):
+    try:
+        return Outcome(result=fn())
+    except Exception as e:  # every class is compared, none is expected
+        return Outcome(error=e)
+
+
+def _host_bytes(a):
+    """The array's values as host bytes, for a bit-exact comparison."""
+    h = np.asarray(a)
+    return h.dtype, h.shape, np.ascontiguousarray(h).tobytes()
+
+
+def same_result(a, b):
+    """None if `b` (installed) is what `a` (stock) is by the rule, else why not."""
+    if type(a) is not type(b):
+        return f"type {type(a).__qualname__} != {type(b).__qualname__}"
+    if isinstance(a, jax.Array):
+        if a.dtype != b.dtype:
+            return f"dtype {a.dtype} != {b.dtype}"
+        if a.shape != b.shape:
+            return f"shape {a.shape} != {b.shape}"
+        if a.devices() != b.devices():
+            return f"devices {a.devices()} != {b.devices()}"
+        if a.sharding.memory_kind != b.sharding.memory_kind:
+            return f"memory kind {a.sharding.memory_kind} != {b.sharding.memory_kind}"
+        if a.weak_type != b.weak_type:
+            return f"weak_type {a.weak_type} != {b.weak_type}"
+        if _host_bytes(a) != _host_bytes(b):
+            return "values differ"
+        return None
+    if isinstance(a, np.ndarray):
+        if _host_bytes(a) != _host_bytes(b):
+            return "values differ"
+        return None
+    if isinstance(a, (tuple, int, str, type(None))):
+        return None if a == b else f"{a!r} != {b!r}"
+    return None  # capsules and the like are compared through their consumers
+
+
+def compare(stock, ours):
+    """None if the installed outcome obeys the rule, else the difference."""
+    if stock.error is None:
+        if ours.error is not None:
+            return f"stock {stock.describe()}, installed {ours.describe()}"
+        why = same_result(stock.result, ours.result)
+        return None if why is None else f"stock {stock.describe()}, installed {ours.describe()}: {why}"
+    if ours.error is None or isinstance(ours.error, type(stock.error)):
+        return None
+    return (f"stock {stock.describe()}, installed {ours.describe()}: "
+            f"not an instance of {type(stock.error).__qualname__}")
+
+
+def wrong(result, truth):
+    """Why a JAX array read from a producer is not its true values (the
+    producer's data as JAX converts it), or None.  Only arrays are judged."""
+    if truth is None or not isinstance(result, jax.Array):
+        return None
+    want = np.asarray(truth)
+    if result.dtype != jax.dtypes.canonicalize_dtype(want.dtype):
+        return f"dtype {result.dtype} for {want.dtype} data"
+    if result.shape != want.shape:
+        return f"shape {result.shape} for {want.shape} data"
+    if _host_bytes(result) != _host_bytes(want.astype(result.dtype)):
+        return "values are not the producer's"
+    return None
+
+
+def differential(cases):
+    """Runs each (label, thunk, truth) stock then installed; returns the
+    differences, each a line naming the case, and counts.  `truth()` gives
+    the producer's values (or None): what installed returns must be them,
+    and a stock result that is not them (a stale or misread array) is
+    unsafe, the one outcome installed may change.  Leaves JAX as it found
+    it."""
+    was = jax_overlay.installed()
+    diffs = []
+    counts = {"stock ok": 0, "stock raised": 0, "installed works where stock raised": 0,
+              "stock unsafe, installed right": 0}
+    try:
+        for label, thunk, truth in cases:
+            jax_overlay.uninstall()
+            stock = run(thunk)
+            jax_overlay.install()
+            ours = run(thunk)
+            want = truth() if truth is not None else None
+            counts["stock ok" if stock.error is None else "stock raised"] += 1
+            if stock.error is not None and ours.error is None:
+                counts["installed works where stock raised"] += 1
+            why = None if ours.error is not None else wrong(ours.result, want)
+            if why is not None:
+                why = f"installed {ours.describe()}: {why}"
+            elif stock.error is None and wrong(stock.result, want) is not None:
+                counts["stock unsafe, installed right"] += 1
+                if ours.error is not None:
+                    why = (f"stock {stock.describe()} (unsafe: {wrong(stock.result, want)}), "
+                           f"installed {ours.describe()}")
+            else:
+                why = compare(stock, ours)
+            if why is not None:
+                diffs.append(f"{label}: {why}")
+            del stock, ours
+    finally:
+        (jax_overlay.install if was else jax_overlay.uninstall)()
+    return diffs, counts
+
+
+def import_cases(entries, producers, coords, truth=None):
+    """(label, thunk, truth) for every entry x producer x (copy, device)
+    coordinate.  `producers`: {name: factory}; `coords`: [(copy,
+    device_name, device)]; `truth(producer)`: its values on the host."""
+    for (ename, entry), (pname, make), (copy, dname, device) in itertools.product(
+            entries.items(), producers.items(), coords):
+        yield (f"{ename}({pname}, copy={copy}, device={dname})",
+               lambda entry=entry, make=make, copy=copy, device=device:
+               entry(make(), copy, device),
+               None if truth is None else lambda make=make: truth(make()))
+
+
+COPIES = (None, True, False)
