@@ -65,6 +65,18 @@ def device_of(x):
     return pair
 
 
+def jax_device_of(x):
+    """The JAX device stock JAX assigns to a producer's memory (kDLCPU: the
+    CPU device of that id; kDLCUDA and kDLCUDAHost: that GPU), or None for
+    a type it does not map."""
+    dl_type, dl_id = device_of(x)
+    if dl_type == KDLCPU:
+        return rt.host_device() if dl_id == 0 else None
+    if dl_type in (KDLCUDA, KDLCUDAHOST):
+        return rt.gpu_device(dl_id)
+    return None
+
+
 def _check_type(dl_type):
     if dl_type not in _NAMES:
         raise BufferError(
@@ -195,7 +207,7 @@ _GPU_TYPES = frozenset({KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED})
 # (CuPy 14.2's __dlpack__ of a reversed view has a stride of 2**62 - 1).
 # Everything else (pinned or host memory, bfloat16, a CAI that raises,
 # tensors requiring grad) takes DLPack.  A reader per producer type: it
-# returns the CAI dict to import, or None for DLPack.
+# returns (owner, CAI dict, copied) to import, or None for DLPack.
 _cai_readers: dict[type, object] = {}
 _DLPACK = None
 
@@ -209,7 +221,7 @@ def _cai_v3(obj):
         return None
     if type(cai) is not dict or cai.get("version", 0) < 3 or cai.get("stream") is None:
         return None
-    return cai
+    return obj, cai, False
 
 
 @functools.cache
@@ -231,11 +243,16 @@ def _cai_torch(t):
     """A PyTorch CUDA tensor's CAI, ordered as its __dlpack__ orders: after
     the current stream of the tensor's device.  PyTorch exports CAI version
     2 with no stream, so the stream is added here.  None (DLPack) for what
-    the CAI would get wrong or refuse: conjugate/negative views (the CAI
-    ignores those bits), tensors requiring grad, and any dtype whose type
-    string is not exactly its own (bfloat16 is exported as '<f2')."""
-    if not t.is_cuda or t.requires_grad or t.is_conj() or t.is_neg():
+    the CAI would refuse or get wrong: tensors requiring grad, and any dtype
+    whose type string is not exactly its own (bfloat16 is exported as
+    '<f2').  A conjugate or negative view (a lazy bit the CAI does not
+    carry, and __dlpack__ refuses) is resolved by PyTorch first, a copy on
+    its current stream, which the import then holds."""
+    if not t.is_cuda or t.requires_grad:
         return None
+    copied = False
+    if t.is_conj() or t.is_neg():
+        t, copied = t.resolve_conj().resolve_neg(), True
     stream_of, exact = _torch_facts()
     want = exact.get(t.dtype)
     if want is None:
@@ -249,7 +266,7 @@ def _cai_torch(t):
     stream = stream_of(t.get_device())
     cai["version"] = 3
     cai["stream"] = stream if stream else 1  # PyTorch's 0 is the legacy stream
-    return cai
+    return t, cai, copied
 
 
 def _reader(t):
@@ -266,10 +283,17 @@ def _reader(t):
 
 
 def cai_route(obj):
-    """The CAI dict to import `obj` through, or None for DLPack (or for an
-    object with one protocol only)."""
+    """(owner, CAI dict, copied) to import `obj` through, or None for
+    DLPack (or for an object with one protocol only).  The owner is what
+    the import holds alive: `obj`, or the copy the producer made of it."""
     reader = _reader(type(obj))
     return None if reader is None else reader(obj)
+
+
+def _import_route(route, copy):
+    owner, cai, copied = route
+    arr, fresh = _imports.import_cai(owner, cai, copy=copy)
+    return arr, fresh or copied
 
 
 def import_foreign(obj, copy, host_device=None):
@@ -281,9 +305,9 @@ def import_foreign(obj, copy, host_device=None):
     None, and so does a DLPack device type jax_overlay cannot hold that has
     no CAI either: the caller's own path (JAX's, after install()) takes
     those.  With `host_device` such a type raises BufferError naming it."""
-    cai = cai_route(obj)
-    if cai is not None:
-        return _imports.import_cai(obj, cai, copy=copy)
+    route = cai_route(obj)
+    if route is not None:
+        return _import_route(route, copy)
     dlpack_device = getattr(obj, "__dlpack_device__", None)
     if dlpack_device is not None and hasattr(obj, "__dlpack__"):
         dl_type, dl_id = device_of(obj)
@@ -331,10 +355,10 @@ def from_dlpack(x, /, *, device=None, copy=None):
     # A producer whose CAI gives the same array, ordered the same way, is
     # imported through it (see cai_route): cheaper, and safe from
     # capsules that contradict it.
-    cai = cai_route(x)
+    route = cai_route(x)
     if device is None:  # the common call, without the checks below
-        if cai is not None:
-            arr, copied = _imports.import_cai(x, cai, copy=copy)
+        if route is not None:
+            arr, copied = _import_route(route, copy)
         else:
             arr, copied = import_dlpack(x, copy=copy)
         return _imports.finish(arr, copied, copy=copy)
@@ -343,8 +367,8 @@ def from_dlpack(x, /, *, device=None, copy=None):
             f"device={device} spans {len(device.device_set)} devices; from_dlpack "
             "imports one buffer: pass one device, then jax.device_put the result "
             "onto the sharding")
-    if cai is not None:
-        arr, copied = _imports.import_cai(x, cai, copy=copy)
+    if route is not None:
+        arr, copied = _import_route(route, copy)
     else:
         arr, copied = import_dlpack(x, copy=copy, host_device=_cpu_target(device))
     return _imports.finish(arr, copied, device=device, copy=copy)

@@ -111,7 +111,11 @@ def copy_import(owner, data, shape, strides, dtype, itemsize, low, span,
     gather writes the compact result.  `dtype`: a NumPy dtype or type
     string (bfloat16 and float8 have no string).  BufferError when
     copy=False."""
-    if copy is False:
+    # A misaligned compact GPU array with copy=False: stock JAX returns a
+    # view that XLA's kernels may refuse ("Address of buffer ... must be a
+    # multiple of 16") or misread; one aligned copy instead, unless
+    # config.strict_copy asks for the refusal the Array API prescribes.
+    if copy is False and (layout == "strided" or dl_type == _KDLCPU or config.strict_copy):
         why = ("its strides are not a compact layout (jaxlib views only "
                "trivial (compact) striding)" if layout == "strided"
                else f"its pointer {data:#x} is not {alignment}-byte aligned")

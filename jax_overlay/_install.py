@@ -27,7 +27,8 @@ from . import _dlpack
 from . import _exports
 from . import _imports
 from . import _runtime as rt
-from ._errors import JaxRuntimeError, like_stock
+from ._config import config
+from ._errors import CopyRequiredError, JaxRuntimeError, like_stock
 
 _lock = threading.Lock()
 _saved: dict[tuple[object, str], object] = {}
@@ -49,9 +50,31 @@ def _foreign(obj, copy, stock_error):
         return None
     try:
         # No host device: host arrays keep JAX's own path (see the module doc).
-        return _dlpack.import_foreign(obj, copy)
+        hit = _dlpack.import_foreign(obj, copy)
     except (BufferError, TypeError, ValueError) as e:
         raise like_stock(e, stock_error) from e.__cause__
+    if hit is not None and hit[0].sharding.memory_kind == "pinned_host":
+        # Pinned host memory (PyTorch's pin_memory() tensors): stock JAX
+        # reads it as a host array and copies it into device memory.  The
+        # same result, but read in order after the producer's work.
+        view, _ = hit
+        return rt.device_put(view, rt.memory_sharding(next(iter(view.devices())), "device")), True
+    return hit
+
+
+def _move(view, copied, device, copy, dtype):
+    """(array, copied): a fresh import placed on `device` before JAX's
+    asarray/array sees it.  Every import is committed to the device that
+    owns its memory, and JAX's asarray/array cannot move a committed array
+    (jax 0.12 raises "incompatible devices"; jax 0.11 too when it must also
+    convert the dtype), so the import's own rule places it.  Stock JAX's
+    asarray/array move an array whatever copy= says: so does this, unless
+    config.strict_copy asks for the Array API's refusal.  64-bit data in
+    32-bit mode is converted first, on the device that holds it."""
+    if dtype is None and rt.canonical(view.dtype) != view.dtype:
+        view, copied = view.astype(rt.canonical(view.dtype)), True
+    return _imports.place(view, copied, device,
+                          None if copy is False and not config.strict_copy else copy)
 
 
 def _asarray(orig):
@@ -63,11 +86,7 @@ def _asarray(orig):
             return orig(a, dtype, order, copy=copy, device=device, **kwargs)
         view, copied = hit
         if device is not None:
-            # Every import is committed to the device that owns its memory,
-            # and JAX's asarray/array cannot move a committed array (jax 0.12
-            # raises "incompatible devices"): the import's own rule places it
-            # (a copy there, BufferError with copy=False) before JAX's turn.
-            view, copied = _imports.place(view, copied, device, copy)
+            view, copied = _move(view, copied, device, copy, dtype)
             device = None
         canonical = rt.canonical(view.dtype)
         if (dtype is None and order is None and device is None and not kwargs
@@ -89,7 +108,7 @@ def _array(orig):
                         device=device, **kwargs)
         view, copied = hit
         if device is not None:  # placed first, as in asarray above
-            view, copied = _imports.place(view, copied, device, copy)
+            view, copied = _move(view, copied, device, copy, dtype)
             device = None
         if dtype is None:
             dtype = rt.canonical(view.dtype)  # as JAX does for host arrays
@@ -126,9 +145,27 @@ def _device_put(orig):
     return device_put
 
 
+def _stock_device(x, device, copy):
+    """`device` as stock JAX's from_dlpack reads it: a sharding of one device
+    is that device (its memory kind is not applied), and with copy=False a
+    device other than the producer's is refused before the producer is
+    asked for anything (stock's ValueError)."""
+    if isinstance(device, jax.sharding.Sharding) and len(device.device_set) == 1:
+        device, = device.device_set
+    if device is not None and copy is False and hasattr(x, "__dlpack_device__"):
+        source = _dlpack.jax_device_of(x)
+        if source is not None and source != device:
+            raise CopyRequiredError(
+                f"Specified device={device} which requires a copy since the source "
+                f"device is {source!r}, however copy=False. Set copy=True or "
+                "copy=None to perform the requested operation.")
+    return device
+
+
 def _from_dlpack(orig):
     @functools.wraps(orig)
     def from_dlpack(external_array, device=None, copy=None):
+        device = _stock_device(external_array, device, copy)
         return _dlpack.from_dlpack(external_array, device=device, copy=copy)
     return from_dlpack
 
@@ -136,6 +173,7 @@ def _from_dlpack(orig):
 def _jnp_from_dlpack(orig):
     @functools.wraps(orig)
     def from_dlpack(x, /, *, device=None, copy=None):
+        device = _stock_device(x, device, copy)
         return _dlpack.from_dlpack(x, device=device, copy=copy)
     return from_dlpack
 

@@ -11,6 +11,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_overlay  # noqa: E402
+from jax_overlay import _dlpack  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
 
 from producers import STREAMS, spin_fill  # noqa: E402
@@ -136,12 +137,19 @@ CUPY_BLOCKS = pytest.mark.xfail(
     strict=True, reason="CuPy's __dlpack__ blocks the host after ~1021 pending syncs")
 
 
-@pytest.mark.parametrize("producer", [pytest.param("cupy", marks=CUPY_BLOCKS), "torch"])
+@pytest.mark.parametrize("producer", [
+    "cupy", pytest.param("cupy-capsule", marks=CUPY_BLOCKS), "torch", "torch-capsule"])
 def test_many_imports_while_producer_busy_never_block(producer):
     """2000 imports behind a 1.5 s kernel on the producer's current stream:
     the kernel is still running when the last import returns, so none
-    waited for it."""
-    if producer == "cupy":
+    waited for it.  from_dlpack takes CuPy's and PyTorch's CUDA Array
+    Interface (see _dlpack.cai_route), which avoids CuPy's blocking
+    __dlpack__; "-capsule" forces their __dlpack__."""
+    imp = jax_overlay.from_dlpack
+    if producer.endswith("-capsule"):
+        def imp(a):
+            return _dlpack.import_dlpack(a)[0]
+    if producer.startswith("cupy"):
         s = cp.cuda.Stream(non_blocking=True)
         arrays = [cp.zeros(256, cp.float32) for _ in range(8)]
         cp.cuda.Device().synchronize()
@@ -158,7 +166,7 @@ def test_many_imports_while_producer_busy_never_block(producer):
     kept = []
     with ctx:
         for i in range(2000):
-            kept.append(jax_overlay.from_dlpack(arrays[i % 8]))
+            kept.append(imp(arrays[i % 8]))
             if i % 100 == 99:
                 del kept[:50]  # drop some while still in flight
         still_busy = busy()

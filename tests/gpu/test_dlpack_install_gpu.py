@@ -78,11 +78,31 @@ class Both:
         return self.a.__cuda_array_interface__
 
 
-def test_asarray_prefers_dlpack():
+def test_asarray_prefers_a_v3_cai_with_a_stream():
+    """Both protocols, and a CAI v3 with a stream (CuPy's): the CAI is the
+    cheaper route to the same array, ordered the same way."""
     a = cp.arange(10, dtype=cp.float32)
     b = Both(a)
     x = jnp.asarray(b)
-    assert b.used == ["dlpack"] and ptr(x) == a.data.ptr
+    assert b.used == ["cai"] and ptr(x) == a.data.ptr
+
+
+class BothNoStream(Both):
+    """As CuPy exports with CUPY_CUDA_ARRAY_INTERFACE_SYNC=0."""
+
+    @property
+    def __cuda_array_interface__(self):
+        self.used.append("cai")
+        return dict(self.a.__cuda_array_interface__, stream=None)
+
+
+def test_asarray_takes_dlpack_when_the_cai_has_no_stream():
+    """A CAI without a stream would not order the import as __dlpack__
+    does: DLPack is taken."""
+    a = cp.arange(10, dtype=cp.float32)
+    b = BothNoStream(a)
+    x = jnp.asarray(b)
+    assert b.used == ["cai", "dlpack"] and ptr(x) == a.data.ptr
 
 
 def test_asarray_of_torch_inflight_on_a_user_stream():
