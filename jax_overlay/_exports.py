@@ -221,13 +221,13 @@ def _facts(x):
 _ready_facts: dict[int, tuple] = {}
 
 
-def _remember(x, facts):
+def _remember(x, facts, table=_ready_facts):
     key = id(x)
     try:
-        ref = weakref.ref(x, lambda _, key=key: _ready_facts.pop(key, None))
+        ref = weakref.ref(x, lambda _, key=key: table.pop(key, None))
     except TypeError:  # an ArrayImpl without weak references: no cache
         return
-    _ready_facts[key] = (ref, facts)
+    table[key] = (ref, facts)
 
 
 def _cai_property(self):
@@ -353,6 +353,26 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
       a pending array exported with ``stream=-1`` has none (getting one would
       mean waiting for it), so do not donate it while that export lives.
     """
+    if dl_device is None and not copy and type(x) is rt.ArrayImpl and (
+            stream is None or type(stream) is int and (stream > 0 or stream == -1)):
+        entry = _dl_ready_facts.get(id(x))
+        # As for the CAI: the weak reference proves the entry is this
+        # array's; a deleted or donated buffer is gone.
+        if entry is not None and entry[0]() is x and not x.is_deleted():
+            ptr, shape, strides, dl_dtype, dl_type, dl_id = entry[1]
+            if dl_type != _KDLCPU or stream is None or stream == -1:
+                versioned = False
+                if max_version is not None:
+                    pair = int_pair(max_version)
+                    if pair is None:
+                        raise TypeError(f"max_version={max_version!r}: pass None or a "
+                                        "tuple (major: int, minor: int)")
+                    versioned = pair >= (1, 0)
+                # Lifetime as below: the array holds its buffer, jaxlib's
+                # external reference blocks donation while a consumer holds it.
+                return ext.raw_capsule((x, rt.external_reference(x)), ptr, shape, strides,
+                                       dl_dtype, dl_type, dl_id, versioned,
+                                       ext.FLAG_READ_ONLY if versioned else 0)
     if type(x) is not rt.ArrayImpl or x.is_deleted():
         _dl_check(x)  # the precise error; sharded arrays fail in dlpack_device
     if copy is not None and not isinstance(copy, (bool, np.bool_)):
@@ -427,6 +447,13 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
     owner = x if reference is None else (x, reference)
     versioned = max_version is not None and max_version >= (1, 0)
     flags = ext.FLAG_READ_ONLY | (ext.FLAG_IS_COPIED if copied else 0)
-    return ext.raw_capsule(owner, x.unsafe_buffer_pointer(), list(x.shape), strides,
-                           dl_dtype, target[0], target[1], versioned,
-                           flags if versioned else 0)
+    ptr, shape = x.unsafe_buffer_pointer(), list(x.shape)
+    if ready and not copied and type(x) is rt.ArrayImpl:
+        # What a ready array's capsule says never changes while it lives.
+        _remember(x, (ptr, shape, strides, dl_dtype, target[0], target[1]), _dl_ready_facts)
+    return ext.raw_capsule(owner, ptr, shape, strides, dl_dtype, target[0], target[1],
+                           versioned, flags if versioned else 0)
+
+
+# The DLPack export's facts of ready arrays, as _ready_facts for the CAI.
+_dl_ready_facts: dict[int, tuple] = {}

@@ -1,5 +1,6 @@
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -24,3 +25,17 @@ def pytest_collection_modifyitems(config, items):
             reason = gpu_skip_reason()
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The drop-in differential's totals (tests/dropin.py), when it ran."""
+    dropin = sys.modules.get("dropin")
+    if dropin is not None and dropin.TOTALS:
+        t = dropin.TOTALS
+        cases = t["stock ok"] + t["stock raised"]
+        terminalreporter.write_line(
+            f"drop-in differential: {cases} cases run stock and installed; stock ok "
+            f"{t['stock ok']}, stock raised {t['stock raised']}, installed works where "
+            f"stock raised {t['installed works where stock raised']}, stock unsafe and "
+            f"installed right {t['stock unsafe, installed right']}; differences "
+            f"{t['differences']}")

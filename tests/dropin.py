@@ -15,6 +15,7 @@ pieces."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 
@@ -248,6 +249,8 @@ def differential(cases):
             del stock, ours
     finally:
         (jax_overlay.install if was else jax_overlay.uninstall)()
+    TOTALS.update(counts)
+    TOTALS["differences"] += len(diffs)
     return diffs, counts
 
 
@@ -264,3 +267,6 @@ def import_cases(entries, producers, coords, truth=None):
 
 
 COPIES = (None, True, False)
+
+# Every differential run of the session, summed (tests/conftest.py prints it).
+TOTALS: collections.Counter = collections.Counter()

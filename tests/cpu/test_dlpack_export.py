@@ -160,3 +160,26 @@ def test_dl_device_on_a_gpu_jax_does_not_see():
         pytest.skip("this checks the error where no GPU is visible")
     with pytest.raises(BufferError, match=r"dl_device=\(2, 0\)"):
         E.to_dlpack(on_cpu(jnp.ones(3)), dl_device=(2, 0))
+
+
+def test_ready_array_export_is_remembered_and_forgotten():
+    """A ready array's second export comes from the remembered facts: the
+    same capsule as the first, its reference to the array held; a deleted
+    array is refused, and a dead array's entry is dropped."""
+    x = on_cpu(jnp.arange(6.0).reshape(2, 3)).block_until_ready()
+    first = ext.capsule_info(E.to_dlpack(x, max_version=(1, 0)))
+    assert id(x) in E._dl_ready_facts
+    again = ext.capsule_info(E.to_dlpack(x, max_version=(1, 0)))
+    assert again == first
+    np.testing.assert_array_equal(np.from_dlpack(x), np.arange(6.0).reshape(2, 3))
+    legacy = ext.capsule_info(E.to_dlpack(x))
+    assert legacy["data"] == first["data"] and legacy != first  # legacy vs versioned
+    with pytest.raises(TypeError, match="max_version"):
+        E.to_dlpack(x, max_version=(1,))
+    key = id(x)
+    x.delete()
+    with pytest.raises(BufferError, match="deleted or donated"):
+        E.to_dlpack(x)
+    del x
+    gc.collect()
+    assert key not in E._dl_ready_facts
