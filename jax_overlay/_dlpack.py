@@ -191,9 +191,12 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
 def _empty(shape, dtype, dl_type, dl_id, host_device):
     host = np.empty(shape, dtype)
     if dl_type == KDLCPU:
-        return rt.device_put(host, host_device or rt.host_device())
-    kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"
-    return rt.device_put(host, rt.memory_sharding(rt.gpu_device(dl_id), kind))
+        target = host_device or rt.host_device()
+    else:
+        kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"
+        target = rt.memory_sharding(rt.gpu_device(dl_id), kind)
+    with rt.x64(True):  # the producer's dtype, as a view of it would have
+        return rt.device_put(host, target)
 
 
 _GPU_TYPES = frozenset({KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED})

@@ -57,7 +57,8 @@ def _empty(view, host):
         # no device: JAX's first GPU; device= places it elsewhere.
         dev = rt.gpu_backend().local_devices()[0]
     host_array = np.empty(view.shape, np.dtype(view.typestr))
-    return rt.device_put(host_array, rt.memory_sharding(dev, kind))
+    with rt.x64(True):  # the producer's dtype, as a view of it would have
+        return rt.device_put(host_array, rt.memory_sharding(dev, kind))
 
 
 def import_cai(obj, cai=None, *, copy=None, host=None):

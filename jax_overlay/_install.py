@@ -3,8 +3,11 @@ API with JAX's own signatures.
 
 Imports: ``jax.dlpack.from_dlpack`` and ``jnp.from_dlpack`` become
 :func:`jax_overlay.from_dlpack`.  ``jnp.asarray``, ``jnp.array`` and
-``jax.device_put`` take foreign GPU arrays (DLPack preferred, else the CUDA
-Array Interface) zero-copy, then apply JAX's own semantics to the view.
+``jax.device_put`` take foreign GPU arrays zero-copy, by the cheaper of the
+two protocols that gives the same array (``_dlpack.cai_route``), then apply
+JAX's own semantics to the view.  The drop-in rule (docs/DROPIN.md): what
+works on stock JAX gives the same dtype, shape, values, device and memory
+kind; what fails on stock works or raises an instance of stock's class.
 Every other input reaches JAX's original function untouched: host arrays
 (NumPy, CPU tensors) keep JAX's copy onto the default device, as JAX
 deliberately does not take CPU DLPack in asarray (data-apis/array-api#301).
@@ -55,24 +58,40 @@ def _foreign(obj, copy, stock_error):
         raise like_stock(e, stock_error) from e.__cause__
     if hit is not None and hit[0].sharding.memory_kind == "pinned_host":
         # Pinned host memory (PyTorch's pin_memory() tensors): stock JAX
-        # reads it as a host array and copies it into device memory.  The
-        # same result, but read in order after the producer's work.
+        # reads it as a host array (NumPy's rules: 64-bit data narrows in
+        # 32-bit mode) into device memory.  The same result, but read in
+        # order after the producer's work.
         view, _ = hit
-        return rt.device_put(view, rt.memory_sharding(next(iter(view.devices())), "device")), True
+        moved = rt.device_put(view, rt.memory_sharding(next(iter(view.devices())), "device"))
+        canonical = rt.canonical(moved.dtype)
+        return (moved if canonical == moved.dtype else moved.astype(canonical)), True
     return hit
 
 
-def _move(view, copied, device, copy, dtype):
+def _platform(device):
+    """The platform `device=` (a device or a sharding) names."""
+    if isinstance(device, jax.sharding.Sharding):
+        device = next(iter(device.device_set))
+    return device.platform
+
+
+def _move(view, copied, device, copy):
     """(array, copied): a fresh import placed on `device` before JAX's
     asarray/array sees it.  Every import is committed to the device that
     owns its memory, and JAX's asarray/array cannot move a committed array
     (jax 0.12 raises "incompatible devices"; jax 0.11 too when it must also
     convert the dtype), so the import's own rule places it.  Stock JAX's
     asarray/array move an array whatever copy= says: so does this, unless
-    config.strict_copy asks for the Array API's refusal.  64-bit data in
-    32-bit mode is converted first, on the device that holds it."""
-    if dtype is None and rt.canonical(view.dtype) != view.dtype:
-        view, copied = view.astype(rt.canonical(view.dtype)), True
+    config.strict_copy asks for the Array API's refusal."""
+    if (view.dtype != rt.canonical(view.dtype) and not (copy is False and config.strict_copy)
+            and _platform(device) != next(iter(view.devices())).platform):
+        # 64-bit data in 32-bit mode to another platform (GPU -> CPU): stock
+        # JAX raises ValueError ("incompatible devices"), and jax.device_put
+        # of such an array gave wrong values on the H200 (jax 0.11.2).  It
+        # goes through the host instead, a copy that keeps its 64 bits.
+        host = np.asarray(view)
+        with rt.x64(True):
+            return rt.device_put(host, device), True
     return _imports.place(view, copied, device,
                           None if copy is False and not config.strict_copy else copy)
 
@@ -86,15 +105,14 @@ def _asarray(orig):
             return orig(a, dtype, order, copy=copy, device=device, **kwargs)
         view, copied = hit
         if device is not None:
-            view, copied = _move(view, copied, device, copy, dtype)
+            view, copied = _move(view, copied, device, copy)
             device = None
-        canonical = rt.canonical(view.dtype)
-        if (dtype is None and order is None and device is None and not kwargs
-                and not copy and canonical == view.dtype):
+        if dtype is None and order is None and not kwargs and not copy:
             return view  # exactly what JAX returns for a JAX array here
-        # 64-bit data in 32-bit mode converts, as JAX does for host arrays.
-        return orig(view, canonical if dtype is None else dtype, order,
-                    copy=None if copied else copy, device=device, **kwargs)
+        # The import's dtype as it is: stock JAX's CAI import keeps 64-bit
+        # data 64-bit in 32-bit mode too, and so does JAX for a JAX array.
+        return orig(view, dtype, order, copy=None if copied else copy,
+                    device=device, **kwargs)
     return asarray
 
 
@@ -108,10 +126,9 @@ def _array(orig):
                         device=device, **kwargs)
         view, copied = hit
         if device is not None:  # placed first, as in asarray above
-            view, copied = _move(view, copied, device, copy, dtype)
+            view, copied = _move(view, copied, device, copy)
             device = None
-        if dtype is None:
-            dtype = rt.canonical(view.dtype)  # as JAX does for host arrays
+        # dtype=None keeps the import's dtype, as stock JAX does (see asarray).
         # A GPU-side copy already made a fresh buffer: JAX need not copy again.
         return orig(view, dtype, copy=False if copied else copy, order=order,
                     ndmin=ndmin, device=device, **kwargs)

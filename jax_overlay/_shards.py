@@ -136,8 +136,9 @@ def from_shards(arrays, sharding, *, global_shape=None, copy=None):
     ``arrays``: a list in the sharding's device order (that of
     :func:`to_shards` and ``sharding.addressable_devices_indices_map``), or a
     dict ``{device: array}``.  Each is a PyTorch, CuPy, NumPy or other DLPack
-    or CUDA Array Interface array (imported as by :func:`from_dlpack`,
-    DLPack preferred, else by :func:`from_cuda_array_interface`: zero-copy,
+    or CUDA Array Interface array (imported as by :func:`from_dlpack`, by
+    the cheaper protocol that gives the same array, or by
+    :func:`from_cuda_array_interface`: zero-copy,
     ordered after its producer's stream, the producer kept alive), or a
     single-device jax.Array.
 

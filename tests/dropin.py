@@ -200,7 +200,9 @@ def wrong(result, truth):
     if truth is None or not isinstance(result, jax.Array):
         return None
     want = np.asarray(truth)
-    if result.dtype != jax.dtypes.canonicalize_dtype(want.dtype):
+    # Its own dtype, or JAX's 32-bit narrowing of it: stock JAX gives either,
+    # by entry point (jnp.asarray of a 64-bit JAX array keeps 64 bits).
+    if result.dtype not in (want.dtype, jax.dtypes.canonicalize_dtype(want.dtype)):
         return f"dtype {result.dtype} for {want.dtype} data"
     if result.shape != want.shape:
         return f"shape {result.shape} for {want.shape} data"

@@ -10,6 +10,7 @@ import pytest
 
 import jax_overlay
 from jax_overlay import _imports
+from jax_overlay import _runtime as rt
 from jax_overlay import _testing as T
 
 
@@ -97,10 +98,42 @@ def test_strided_objects_through_asarray(routed):
 
 
 def test_int64_in_32_bit_mode_follows_jax(routed):
+    """Stock JAX's CAI import makes an int64 JAX array, and jnp.asarray and
+    jnp.array keep a JAX array's dtype even in 32-bit mode: so do ours.
+    jax.device_put narrows, as it does for NumPy."""
     a = host((4,), np.int64)
-    x = jnp.asarray(T.HostCAI(a))
-    assert x.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(x), a)
+    with rt.x64(True):
+        reference = jnp.arange(4, dtype=jnp.int64)
+    assert jnp.asarray(reference).dtype == jnp.array(reference).dtype == jnp.int64
+    for f in (jnp.asarray, jnp.array):
+        x = f(T.HostCAI(a))
+        assert x.dtype == jnp.int64
+        np.testing.assert_array_equal(np.asarray(x), a)
+        y = f(T.HostCAI(a), dtype=jnp.int32)
+        assert y.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(y), a)
+    assert jax.device_put(T.HostCAI(a)).dtype == jnp.int32
+    # A zero-size import keeps its dtype too (it is made, not viewed).
+    empty = host((0, 3), np.int64)
+    assert jnp.asarray(T.HostCAI(empty)).dtype == jnp.int64
+
+
+def test_64_bit_moved_to_another_platform_keeps_its_values(routed, monkeypatch):
+    """jnp.asarray(x, device=) of 64-bit data in 32-bit mode to another
+    platform goes through the host with its 64 bits (jax.device_put of such
+    an array from the GPU gave wrong values on the H200); the target here
+    stands in for another platform."""
+    from jax_overlay import _install
+    monkeypatch.setattr(_install, "_platform", lambda device: "elsewhere")
+    cpu = jax.devices("cpu")[0]
+    for dtype in (np.int64, np.float64, np.complex128, np.uint64):
+        a = host((3, 5), dtype) * 3 + 1
+        x = jnp.asarray(T.HostCAI(a), device=cpu)
+        assert x.dtype == dtype and x.devices() == {cpu}
+        np.testing.assert_array_equal(np.asarray(x), a)
+        y = jnp.array(T.HostCAI(a), device=cpu)
+        assert y.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(y), a)
 
 
 def test_uninstall_restores_stock_route(routed):
