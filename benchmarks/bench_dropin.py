@@ -33,7 +33,6 @@ import cupy as cp  # noqa: E402
 import jax  # noqa: E402
 import jax.dlpack  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import jax_overlay  # noqa: E402

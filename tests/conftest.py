@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture
+def installed():
+    """jax_overlay.install() for the test, uninstall() after."""
+    import jax_overlay
+    jax_overlay.install()
+    yield
+    jax_overlay.uninstall()
+
+
 def pytest_terminal_summary(terminalreporter):
     """The drop-in differential's totals (tests/dropin.py), when it ran."""
     dropin = sys.modules.get("dropin")

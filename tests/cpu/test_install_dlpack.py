@@ -38,13 +38,6 @@ def _public():
 
 
 @pytest.fixture
-def installed():
-    jax_overlay.install()
-    yield
-    jax_overlay.uninstall()
-
-
-@pytest.fixture
 def gpu_on_host(monkeypatch):
     """Device lookups for CUDA ordinals answer the CPU device, so the routed
     GPU path runs on host memory; the consumer stream is recorded."""

@@ -124,13 +124,6 @@ def test_exports_match_stock(dtype):
 # --- routes ----------------------------------------------------------------
 
 @pytest.fixture
-def installed():
-    jax_overlay.install()
-    yield
-    jax_overlay.uninstall()
-
-
-@pytest.fixture
 def no_dlpack(monkeypatch):
     """Fails any DLPack import: the CAI route must be taken."""
     def refuse(*a, **k):
