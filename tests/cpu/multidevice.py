@@ -95,7 +95,9 @@ def _worker(path, n, out):
     found = jax.device_count()
     if found != n:
         raise SystemExit(f"XLA_FLAGS asked for {n} CPU devices, JAX has {found}")
-    sys.path.insert(0, str(pathlib.Path(path).parent))
+    # The module's folder and the one above it, as pytest sees them (the
+    # suites' shared helpers, tests/dropin.py, live there).
+    sys.path[:0] = [str(pathlib.Path(path).parent), str(pathlib.Path(path).parent.parent)]
     spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import dropin as D
+from multidevice import check, on, params
 from jax_overlay import _runtime as rt
 from jax_overlay import _testing as T
 
@@ -69,6 +70,25 @@ def test_imports_match_stock(dtype, x64):
     cases = D.import_cases(D.IMPORTS, _producers(dtype), _coords(), _truth)
     with rt.x64(x64):
         _check(*D.differential(cases))
+
+
+@on(2)
+def case_imports_onto_another_cpu_match_stock(n):
+    """Host producers (kDLCPU 0) imported onto CPU device 1: stock JAX places
+    them on device 0 and copies, or refuses copy=False with ValueError."""
+    cpu1 = jax.devices("cpu")[1]
+    coords = [(copy, name, dev) for copy in D.COPIES for name, dev in (
+        ("cpu1", cpu1), ("cpu1-sharding", jax.sharding.SingleDeviceSharding(cpu1)))]
+    for dtype in map(np.dtype, (np.float32, np.int64, np.bool_, np.complex128)):
+        diffs, counts = D.differential(
+            D.import_cases(D.IMPORTS, _producers(dtype), coords, _truth))
+        assert counts["stock ok"] > 0
+        assert not diffs, f"{len(diffs)} differences:\n" + "\n".join(diffs[:40])
+
+
+@pytest.mark.parametrize("n,case", params(globals()))
+def test_multidevice(n, case):
+    check(__file__, n, case)
 
 
 # --- exports ---------------------------------------------------------------
