@@ -1,0 +1,231 @@
+"""jax_overlay.foreign with framework="numpy" on the CPU backend: NumPy code
+on views of XLA's buffers inside jit, eagerly, under vmap and under grad
+(given a vjp), with pytrees, every dtype, 0-d and zero-size arrays, and the
+errors a user can make."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_overlay
+from jax_overlay import _runtime as rt
+
+CPU = jax.devices("cpu")[0]
+SAME = lambda *xs: xs[0] if len(xs) == 1 else xs  # noqa: E731 - outputs shaped as the inputs
+
+
+def numpy_fn(fn, spec=SAME, **kw):
+    return jax_overlay.foreign(fn, framework="numpy", result_shape_dtypes=spec, **kw)
+
+
+def on_cpu(x):
+    return jax.device_put(x, CPU)
+
+
+def test_jit_eager_and_composition():
+    f = numpy_fn(lambda x: np.sin(x) * 3)
+    x = on_cpu(jnp.linspace(-2, 2, 7, dtype=jnp.float32))
+    want = np.sin(np.asarray(x)) * 3
+    np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-6)
+    y = jax.jit(lambda x: f(x) * 2 + f(x + 1))(x)
+    np.testing.assert_allclose(np.asarray(y), want * 2 + np.sin(np.asarray(x) + 1) * 3, rtol=1e-6)
+
+
+def test_pytrees_of_several_inputs_and_outputs():
+    def fn(a, pair):
+        b, c = pair["b"], pair["c"]
+        return {"sum": a + b, "prod": (a * b).astype(np.float64), "n": np.int32(c.size)}
+
+    def spec(a, pair):
+        return {"sum": a, "prod": jax.ShapeDtypeStruct(a.shape, np.float64),
+                "n": jax.ShapeDtypeStruct((), np.int32)}
+    f = numpy_fn(fn, spec)
+    a = on_cpu(jnp.arange(6, dtype=jnp.float32).reshape(2, 3))
+    b = a + 1
+    c = on_cpu(jnp.zeros((4, 5), jnp.int8))
+    with rt.x64(True):
+        out = jax.jit(f)(a, {"b": b, "c": c})
+    assert set(out) == {"sum", "prod", "n"}
+    np.testing.assert_array_equal(np.asarray(out["sum"]), np.asarray(a + b))
+    assert out["prod"].dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(out["prod"]), np.asarray(a) * np.asarray(b))
+    assert int(out["n"]) == 20
+
+
+DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+          np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
+          ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (5,), (2, 3, 4)], ids=str)
+def test_every_dtype_0d_and_zero_size_round_trip(dtype, shape):
+    """The views carry the exact bytes both ways: a bit-reversing copy."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    if dtype == np.bool_:
+        raw = raw % 2
+    host = raw.view(dtype).reshape(shape)
+    f = numpy_fn(lambda x: x[::-1].copy() if x.ndim else x.copy())
+    with rt.x64(True):
+        x = on_cpu(jnp.asarray(host))
+        y = jax.jit(f)(x)
+    assert y.dtype == dtype and y.shape == shape
+    want = host[::-1] if host.ndim else host
+    assert np.asarray(y).tobytes() == np.ascontiguousarray(want).tobytes()
+
+
+def test_out_true_writes_into_xla_buffers():
+    seen = []
+
+    def fn(x, *, out):
+        seen.append(out.flags.writeable)
+        np.multiply(x, 2, out=out)
+
+    f = numpy_fn(fn, out=True)
+    x = on_cpu(jnp.arange(5.0, dtype=jnp.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), np.asarray(x) * 2)
+    assert seen == [True]
+
+
+def test_out_true_must_not_return_a_value():
+    f = numpy_fn(lambda x, *, out: x + 1, out=True)
+    with pytest.raises(Exception, match="returns None"):
+        f(on_cpu(jnp.ones(3))).block_until_ready()
+
+
+def test_vmap_methods():
+    calls = []
+
+    def fn(x):
+        calls.append(x.shape)
+        return np.cumsum(x, axis=-1).astype(x.dtype)
+
+    xs = on_cpu(jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4))
+    want = np.cumsum(np.asarray(xs), axis=-1)
+    seq = numpy_fn(fn, vmap_method="sequential")
+    np.testing.assert_array_equal(np.asarray(jax.vmap(seq)(xs)), want)
+    assert calls == [(4,)] * 3
+    calls.clear()
+    vec = numpy_fn(fn, vmap_method="expand_dims")
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(vec))(xs)), want)
+    assert calls == [(3, 4)]
+    with pytest.raises(Exception, match="vmap"):
+        jax.vmap(numpy_fn(fn))(xs)  # no vmap_method: JAX's own error
+
+
+def test_grad_through_a_numpy_vjp_matches_jax():
+    def fwd(x, w):
+        return np.tanh(x * w)
+
+    def vjp(x, w, ct):
+        d = (1 - np.tanh(x * w) ** 2) * ct
+        return d * w, (d * x).sum(keepdims=True).reshape(w.shape).astype(w.dtype)
+
+    f = numpy_fn(fwd, lambda x, w: x, vjp=vjp)
+    x = on_cpu(jnp.linspace(-1, 1, 6, dtype=jnp.float32))
+    w = on_cpu(jnp.float32(0.7) * jnp.ones((), jnp.float32))
+
+    def loss(f):
+        return lambda x, w: (f(x, w) ** 2).sum()
+    got = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w)
+    want = jax.grad(loss(lambda x, w: jnp.tanh(x * w)), argnums=(0, 1))(x, w)
+    for g, h in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-6)
+    # and under vmap of grad, sequentially
+    fs = numpy_fn(fwd, lambda x, w: x, vjp=vjp, vmap_method="sequential")
+    xs = jnp.stack([x, 2 * x])
+    got = jax.vmap(jax.grad(loss(fs)), in_axes=(0, None))(xs, w)
+    want = jax.vmap(jax.grad(loss(lambda x, w: jnp.tanh(x * w))), in_axes=(0, None))(xs, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_exception_in_fn_reaches_the_caller():
+    def fn(x):
+        raise KeyError("no such column")
+    f = numpy_fn(fn)
+    with pytest.raises(Exception) as e:
+        jax.jit(f)(on_cpu(jnp.ones(3))).block_until_ready()
+    text = str(e.value)
+    assert "ForeignError" in text and "KeyError" in text and "no such column" in text
+    # The runtime is still usable afterwards.
+    np.testing.assert_array_equal(np.asarray(jnp.ones(3) + 1), 2)
+
+
+@pytest.mark.parametrize("ret,words", [
+    (lambda x: x[:2], r"float32\[2\].*says float32\[3\]"),
+    (lambda x: x.astype(np.float64), r"float64\[3\].*says float32\[3\]"),
+    (lambda x: (x, x), "structure"),
+])
+def test_wrong_outputs_raise_from_the_first_call(ret, words):
+    f = numpy_fn(ret)
+    with pytest.raises(Exception, match=words):
+        f(on_cpu(jnp.ones(3, jnp.float32))).block_until_ready()
+
+
+def test_inputs_are_read_only_views():
+    def fn(x):
+        x[0] = 99  # would write into JAX's (immutable) input buffer
+        return x
+    x = on_cpu(jnp.arange(3.0, dtype=jnp.float32))
+    with pytest.raises(Exception, match="read-only"):
+        numpy_fn(fn)(x).block_until_ready()
+    np.testing.assert_array_equal(np.asarray(x), [0, 1, 2])
+
+
+def test_a_kept_view_is_detected():
+    kept = []
+
+    def fn(x):
+        kept.append(x[1:])  # a view of XLA's buffer, past the call
+        return x + 1
+    with pytest.raises(Exception, match="kept a view"):
+        numpy_fn(fn)(on_cpu(jnp.ones(4, jnp.float32))).block_until_ready()
+
+    def copies(x):
+        kept.append(np.array(x))  # a copy is fine
+        return x + 1
+    np.testing.assert_array_equal(np.asarray(numpy_fn(copies)(on_cpu(jnp.ones(4)))), 2)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="framework='jax'"):
+        jax_overlay.foreign(abs, framework="jax", result_shape_dtypes=SAME)
+    for name in ("torch", "cupy", "numba"):
+        with pytest.raises(NotImplementedError, match="not available"):
+            jax_overlay.foreign(abs, framework=name, result_shape_dtypes=SAME)
+    with pytest.raises(TypeError, match="callable"):
+        jax_overlay.foreign(3, framework="numpy", result_shape_dtypes=SAME)
+    f = jax_overlay.foreign(abs, framework="numpy", result_shape_dtypes=[(3,)])
+    with pytest.raises(TypeError, match=r"result_shape_dtypes\[0\].*ShapeDtypeStruct"):
+        f(jnp.ones(3))
+
+
+def test_one_callback_per_signature(monkeypatch):
+    """Eager calls of the same signature reuse one buffer_callback (one
+    compilation); a new shape makes a second."""
+    from jax.experimental import buffer_callback as bc
+    made = []
+    real = bc.buffer_callback
+
+    def spy(*a, **k):
+        made.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(bc, "buffer_callback", spy)
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x * 2
+    f = numpy_fn(fn)
+    assert f.__wrapped__ is fn
+    for _ in range(5):
+        f(on_cpu(jnp.ones(8, jnp.float32))).block_until_ready()
+    assert len(calls) == 5 and len(made) == 1
+    f(on_cpu(jnp.ones(9, jnp.float32))).block_until_ready()
+    assert len(made) == 2
