@@ -441,6 +441,9 @@ def main(argv=None):
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory")
     args = parser.parse_args(argv)
+    # git runs in a temporary repository: the patches' paths must not be
+    # relative to this directory.
+    args.patches = args.patches.absolute()
     try:
         if args.jax_src:
             return check_source(args.jax_src, args.patches, args.keep,
