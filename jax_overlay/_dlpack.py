@@ -299,6 +299,15 @@ def _import_route(route, copy):
     return arr, fresh or copied
 
 
+def _import(x, copy, host_device=None):
+    """(array, copied) of a DLPack producer by its cheapest safe route (see
+    cai_route): its CAI where that gives the same array, else DLPack."""
+    route = cai_route(x)
+    if route is not None:
+        return _import_route(route, copy)
+    return import_dlpack(x, copy=copy, host_device=host_device)
+
+
 def import_foreign(obj, copy, host_device=None):
     """(array, copied) for a foreign array by its cheapest safe route: its
     CUDA Array Interface where cai_route() says so, else DLPack when the
@@ -355,23 +364,13 @@ def from_dlpack(x, /, *, device=None, copy=None):
       (BufferError with ``copy=False``); ``device=`` and ``copy=True`` as in
       :func:`from_cuda_array_interface`.
     """
-    # A producer whose CAI gives the same array, ordered the same way, is
-    # imported through it (see cai_route): cheaper, and safe from
-    # capsules that contradict it.
-    route = cai_route(x)
     if device is None:  # the common call, without the checks below
-        if route is not None:
-            arr, copied = _import_route(route, copy)
-        else:
-            arr, copied = import_dlpack(x, copy=copy)
+        arr, copied = _import(x, copy)
         return _imports.finish(arr, copied, copy=copy)
     if isinstance(device, jax.sharding.Sharding) and len(device.device_set) != 1:
         raise ValueError(
             f"device={device} spans {len(device.device_set)} devices; from_dlpack "
             "imports one buffer: pass one device, then jax.device_put the result "
             "onto the sharding")
-    if route is not None:
-        arr, copied = _import_route(route, copy)
-    else:
-        arr, copied = import_dlpack(x, copy=copy, host_device=_cpu_target(device))
+    arr, copied = _import(x, copy, _cpu_target(device))
     return _imports.finish(arr, copied, device=device, copy=copy)

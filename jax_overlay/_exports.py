@@ -334,6 +334,18 @@ def dlpack_device(x):
             device.local_hardware_id)
 
 
+def _versioned(max_version):
+    """Whether a consumer allowing `max_version` gets a versioned capsule;
+    TypeError for anything but None or a (major, minor) pair."""
+    if max_version is None:
+        return False
+    pair = int_pair(max_version)
+    if pair is None:
+        raise TypeError(f"max_version={max_version!r}: pass None or a tuple "
+                        "(major: int, minor: int)")
+    return pair >= (1, 0)
+
+
 def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
     """A DLPack capsule of a single-device JAX array, per the Array API's
     ``__dlpack__``.
@@ -361,13 +373,7 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
         if entry is not None and entry[0]() is x and not x.is_deleted():
             ptr, shape, strides, dl_dtype, dl_type, dl_id = entry[1]
             if dl_type != _KDLCPU or stream is None or stream == -1:
-                versioned = False
-                if max_version is not None:
-                    pair = int_pair(max_version)
-                    if pair is None:
-                        raise TypeError(f"max_version={max_version!r}: pass None or a "
-                                        "tuple (major: int, minor: int)")
-                    versioned = pair >= (1, 0)
+                versioned = _versioned(max_version)
                 # Lifetime as below: the array holds its buffer, jaxlib's
                 # external reference blocks donation while a consumer holds it.
                 return ext.raw_capsule((x, rt.external_reference(x)), ptr, shape, strides,
@@ -377,11 +383,7 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
         _dl_check(x)  # the precise error; sharded arrays fail in dlpack_device
     if copy is not None and not isinstance(copy, (bool, np.bool_)):
         raise TypeError(f"copy={copy!r}: pass None, True or False")
-    if max_version is not None:
-        asked, max_version = max_version, int_pair(max_version)
-        if max_version is None:
-            raise TypeError(f"max_version={asked!r}: pass None or a tuple "
-                            "(major: int, minor: int)")
+    versioned = _versioned(max_version)
     if dl_device is not None and int_pair(dl_device) is None:
         raise TypeError(f"dl_device={dl_device!r}: pass None or a tuple "
                         "(device_type: int, device_id: int)")
@@ -445,7 +447,6 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
         strides = [s // dtype.itemsize for s in strides]
     # Lifetime: the array keeps its buffer alive, the reference blocks donation.
     owner = x if reference is None else (x, reference)
-    versioned = max_version is not None and max_version >= (1, 0)
     flags = ext.FLAG_READ_ONLY | (ext.FLAG_IS_COPIED if copied else 0)
     ptr, shape = x.unsafe_buffer_pointer(), list(x.shape)
     if ready and not copied and type(x) is rt.ArrayImpl:

@@ -52,7 +52,7 @@ def _result_spec(result_shape_dtypes, args):
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), args))
     leaves, tree = jax.tree_util.tree_flatten_with_path(spec)
     flat = [_spec_leaf(x, jax.tree_util.keystr(path)) for path, x in leaves]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(spec), flat)
+    return jax.tree_util.tree_unflatten(tree, flat)
 
 
 def _check_output(i, got, want):

@@ -42,20 +42,19 @@ def plan(data, low, span, itemsize, range_start, alignment, range_size=0):
     lo = data + low * itemsize
     hi = data + (low + span) * itemsize
     base = lo - lo % alignment
-    start, size = range_start, range_size
-    if start and base < start:
+    if range_start and base < range_start:
         raise BufferError(
             f"cannot align an envelope for pointer {data:#x} inside its "
-            f"allocation starting at {start:#x}; copy the array to a "
+            f"allocation starting at {range_start:#x}; copy the array to a "
             "fresh, aligned buffer on the producer's side first")
     unit = itemsize if data % itemsize == 0 else 1
     count = -(-(hi - base) // unit)
-    if size and (lo < start or base + count * unit > start + size):
+    if range_size and (lo < range_start or base + count * unit > range_start + range_size):
         # Never read: the producer's shape and strides contradict its own
         # memory (CuPy 14.2's __dlpack__ of a reversed view is one such).
         raise BufferError(
             f"the array's elements span [{lo:#x}, {hi:#x}), beyond the "
-            f"allocation [{start:#x}, {start + size:#x}) its pointer lies in: "
+            f"allocation [{range_start:#x}, {range_start + range_size:#x}) its pointer lies in: "
             "the producer's strides are wrong; import it through its "
             "__cuda_array_interface__ or copy it on the producer's side first")
     return base, count, unit, (data - base) // unit
