@@ -1,7 +1,8 @@
 """Turns a `benchmarks/run_all.py` results file into markdown tables and a
 chart.  Pure Python (the chart needs matplotlib, an optional dependency):
-importable anywhere, so the README's tables can be regenerated from a
-committed results file with `tools/make_perf_table.py`.
+importable anywhere, so the tables of README.md ('readme': stock JAX against
+jax_overlay, path by path) and docs/PERFORMANCE.md ('full') can be
+regenerated from a committed results file with `tools/make_perf_table.py`.
 
 Results schema ("jax_overlay.bench/1"), all times in microseconds:
 
@@ -297,32 +298,78 @@ def meta_line(results):
             f"{m['date']}; {m['statistic']}")
 
 
+def _longest(e):
+    """The longest single call of an in-flight probe, and whether it waited."""
+    if e is None:
+        return "—"
+    if e.get("error"):
+        return "fails"
+    p = e.get("probe") or {}
+    return duration(p.get("max_call_us")) + (" (**host blocked**)" if _blocked(e) else "")
+
+
+def summary_table(results):
+    """Stock JAX against jax_overlay, one row per path: each side's first
+    call, idle, their ratio, and the longest single call while the producer
+    is busy (the in-flight probe), where one was measured."""
+    flight = {}
+    for e in results["inflight"]:
+        flight.setdefault((e["group"], "stock" if e["who"] == "stock" else "jax_overlay"), e)
+    lines = ["| path | stock JAX | jax_overlay | vs stock | longest call, producer busy: stock / jax_overlay |",
+             "|---|---:|---:|---:|---|"]
+    for direction in ("import", "export"):
+        for group, entries in _groups(results["latency"], direction).items():
+            stock = next((e for e in entries if e["who"] == "stock"), None)
+            ours = (next((e for e in entries if e["who"] == "jax_overlay"), None)
+                    or next((e for e in entries if e["who"] == "jax_overlay installed"), None))
+            vs = (ratio(ours and ours["us"], stock["us"]) if stock and stock["us"] else
+                  "stock fails" if stock and stock.get("error") else "—")
+            fs, fo = flight.get((group, "stock")), flight.get((group, "jax_overlay"))
+            busy = f"{_longest(fs)} / {_longest(fo)}" if fs or fo else ""
+            cells = [f"{_cell(e)} ({_code(e['call'])})" if e else "—" for e in (stock, ours)]
+            lines.append(f"| {group} | {cells[0]} | {cells[1]} | {vs} | {busy} |")
+    return "\n".join(lines)
+
+
+def _busy_ms(results):
+    ms = sorted({(e.get("probe") or {}).get("kernel_ms") for e in results["inflight"]} - {None})
+    return "/".join(f"{m:g}" for m in ms) or "—"
+
+
 def markdown(results, flavour="full", chart=None):
-    """The generated block: 'readme' (targets, imports, exports, in flight,
-    copies) or 'full' (also zero-copy sizes, floors and the breakdown)."""
+    """The generated block: 'readme' (stock JAX against jax_overlay path by
+    path, the targets met, the strided copy) or 'full' (targets, imports,
+    exports, in flight, zero-copy sizes, copies, floors and the breakdown)."""
     if results.get("schema") != SCHEMA:
         raise ValueError(f"not a {SCHEMA} results file (schema {results.get('schema')!r})")
     parts = [f"Measured on {meta_line(results)}."]
     if chart:
         parts.append(f"![jax_overlay latency and bandwidth]({chart})")
+    if flavour != "full":
+        met = targets(results)
+        strided = [f"{t}: {m}" for t, m, _ in met if t.startswith("strided import")]
+        parts += [f"**Against stock JAX** (µs per call, idle producer; ratios below 1 are faster; last "
+                  f"column: the longest single call while the producer, a kernel on its stream or for "
+                  f"exports the JAX computation, is busy for {_busy_ms(results)} ms)",
+                  summary_table(results),
+                  f"**Targets**: {sum(ok for _, _, ok in met)} of {len(met)} met"
+                  + "".join(f"; {s}" for s in strided) + ".",
+                  "Every target, the peers' own conversions, sizes, copies, floors and where an "
+                  "import's time goes: [docs/PERFORMANCE.md](docs/PERFORMANCE.md)."]
+        return "\n\n".join(parts) + "\n"
     parts += ["**Targets**", targets_table(results),
               "**Imports** (µs per call, idle producer; ratios below 1 are faster)",
               latency_table(results, "import"),
               "**Exports** (µs per call, ready array)", latency_table(results, "export"),
               "**Idle vs in flight** (µs per call; in flight, the producer (a kernel on its stream, "
               "or for exports the JAX computation) is still running during every timed call)",
-              inflight_table(results)]
-    if flavour == "full":
-        parts += ["**Zero-copy latency by size** (µs per call)", zero_copy_table(results)]
-    parts += ["**Copies** (GB/s of data delivered, synchronised, same run)", copy_table(results)]
-    if flavour == "full":
-        parts += ["**Floors** (µs per call of each piece on its own)", floors_table(results)]
-    parts += ["**Where an import's time goes** (the producer's protocol method, jax_overlay's "
+              inflight_table(results),
+              "**Zero-copy latency by size** (µs per call)", zero_copy_table(results),
+              "**Copies** (GB/s of data delivered, synchronised, same run)", copy_table(results),
+              "**Floors** (µs per call of each piece on its own)", floors_table(results),
+              "**Where an import's time goes** (the producer's protocol method, jax_overlay's "
               "native part and jaxlib's own DLPack import, each timed on its own; the rest is "
               "Python)", breakdown_table(results)]
-    if flavour != "full":
-        parts.append("What each part is, and why jaxlib's import is the floor: "
-                     "[docs/PERFORMANCE.md](docs/PERFORMANCE.md).")
     return "\n\n".join(parts) + "\n"
 
 

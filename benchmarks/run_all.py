@@ -4,8 +4,8 @@
 
 writes <gpu>-<date>.json (schema in benchmarks/report.py) and a PNG chart
 next to it (matplotlib, an optional dependency: without it, no chart and a
-message), and prints the tables that tools/make_perf_table.py puts in the
-README.  `--json PATH` writes the results to PATH and the chart to PATH's
+message), and prints the tables that tools/make_perf_table.py puts in
+docs/PERFORMANCE.md (and, summarised, in the README).  `--json PATH` writes the results to PATH and the chart to PATH's
 .png instead (how tools/gpu_suite.sh calls benchmarks).
 
 * latency matrix: imports into JAX from CuPy, PyTorch and Numba and exports to

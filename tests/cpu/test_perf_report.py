@@ -123,6 +123,21 @@ def test_markdown_refuses_other_files():
         report.markdown({"schema": "something else"})
 
 
+def test_readme_summary_pairs_stock_and_ours_per_path():
+    r = results()
+    for e in r["inflight"][:2]:
+        e["group"] = "CuPy → JAX, DLPack"
+    table = report.summary_table(r)
+    row = next(ln for ln in table.splitlines() if ln.startswith("| CuPy → JAX, DLPack"))
+    assert "| 0.50× |" in row  # 17/34: the first jax_overlay call against stock's
+    assert row.endswith("| 499.0 ms (**host blocked**) / 60.0 µs |")
+    assert "stock fails" in next(ln for ln in table.splitlines() if ln.startswith("| CuPy → JAX, CAI"))
+    met = report.targets(r)
+    text = report.markdown(r, "readme")
+    assert f"**Targets**: {sum(ok for _, _, ok in met)} of {len(met)} met; strided import" in text
+    assert "**Floors**" not in text and "**Imports**" not in text and "docs/PERFORMANCE.md" in text
+
+
 README = """# x
 
 intro
