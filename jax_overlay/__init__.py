@@ -9,6 +9,8 @@
     f = jax_overlay.foreign(np_fn, framework="numpy", result_shape_dtypes=...)
 """
 
+from ._version import __version__
+from . import _native  # noqa: F401  (first: ImportError saying how to build a missing or stale native module)
 from ._config import config
 from ._dlpack import from_dlpack
 from ._errors import CopyRequiredError
@@ -18,7 +20,6 @@ from ._imports import from_cuda_array_interface
 from ._install import install, installed, uninstall
 from ._shards import Shard, from_shards, to_shards
 
-__version__ = "0.1.0"
 __all__ = ["CopyRequiredError", "ForeignError", "Shard", "config", "cuda_array_interface",
            "foreign", "from_cuda_array_interface", "from_dlpack", "from_shards", "install",
            "installed", "to_dlpack", "to_shards", "uninstall"]

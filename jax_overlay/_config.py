@@ -43,7 +43,12 @@ class Config:
     Off by default: stock JAX converts whatever ``copy`` says, and code
     that passes ``copy=False`` for every tensor relies on it."""
 
-    def __init__(self):
+    cai_sync: bool
+    cai_read_only: bool
+    strided_kernel: bool
+    strict_copy: bool
+
+    def __init__(self) -> None:
         self.cai_sync = _flag("JAX_OVERLAY_CAI_SYNC", True)
         self.cai_read_only = _flag("JAX_OVERLAY_CAI_READ_ONLY", False)
         self.strided_kernel = _flag("JAX_OVERLAY_STRIDED_KERNEL", True)

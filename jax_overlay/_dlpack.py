@@ -3,8 +3,8 @@ of ``__dlpack__`` (or a raw capsule), asking for DLPack 1.x."""
 
 from __future__ import annotations
 
-import datetime
 import functools
+from typing import Any
 
 import jax
 import ml_dtypes
@@ -19,8 +19,7 @@ KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED = 1, 2, 3, 13
 _NAMES = {KDLCPU: "kDLCPU", KDLCUDA: "kDLCUDA", KDLCUDAHOST: "kDLCUDAHost",
           KDLCUDAMANAGED: "kDLCUDAManaged"}
 MAX_VERSION = tuple(ext.DLPACK_VERSION)
-# types.CapsuleType exists from Python 3.13 on; datetime's C API is a capsule.
-CapsuleType = type(datetime.datetime_CAPI)
+CapsuleType = _exports.CapsuleType
 
 
 def _holdable_dtypes():
@@ -343,7 +342,8 @@ def _cpu_target(device):
     return device if getattr(device, "platform", None) == "cpu" else None
 
 
-def from_dlpack(x, /, *, device=None, copy=None):
+def from_dlpack(x: Any, /, *, device: jax.Device | jax.sharding.Sharding | None = None,
+                copy: bool | None = None) -> jax.Array:
     """A :class:`jax.Array` from any DLPack producer (``__dlpack__``) or a raw
     capsule, per the Array API's ``from_dlpack``.
 

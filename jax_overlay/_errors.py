@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import functools
 
-import jax
-
-JaxRuntimeError = jax.errors.JaxRuntimeError
+from jax.errors import JaxRuntimeError
 
 
 def _runtime_init(self, *args):
@@ -61,7 +59,8 @@ def like_stock(e: BaseException, stock: type) -> BaseException:
     input; the message and the cause are kept."""
     if isinstance(e, stock):
         return e
-    out = _joined(type(e), stock)(*e.args)
+    cls: type = type(e)
+    out = _joined(cls, stock)(*e.args)
     out.__cause__ = e.__cause__
     out.__suppress_context__ = True
     return out

@@ -4,9 +4,11 @@ waiting."""
 
 from __future__ import annotations
 
+import datetime
 import functools
 import operator
 import weakref
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -15,6 +17,12 @@ from . import _runtime as rt
 from . import _xla_ext as ext
 from ._config import config
 from ._errors import CopyRequiredError, JaxRuntimeError, like_stock
+
+if TYPE_CHECKING:
+    from typing_extensions import CapsuleType
+else:
+    # types.CapsuleType exists from Python 3.13 on; datetime's C API is a capsule.
+    CapsuleType = type(datetime.datetime_CAPI)
 
 # Tests set this to describe CPU arrays too (host memory), so CI can check
 # the dict builder on real JAX buffers.
@@ -143,7 +151,8 @@ def _order(x, stream):
     return rt.order_stream_after(x, stream)
 
 
-def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
+def cuda_array_interface(x: jax.Array, *, stream: int | None = None,
+                         read_only: bool | None = None) -> dict[str, Any]:
     """The CUDA Array Interface (version 3) of a single-device JAX array.
 
     ``stream``: the consumer's stream (1 legacy, 2 per-thread, or a handle);
@@ -175,7 +184,7 @@ def cuda_array_interface(x, *, stream=None, read_only=None) -> dict:
             f"stream={stream!r}: pass 1 (legacy), 2 (per-thread) or a CUDA "
             "stream handle; 0 is ambiguous and not allowed")
     if not ready:
-        ready = x.is_ready()
+        ready = x.is_ready()  # type: ignore[attr-defined]  # an ArrayImpl: _facts checked
         if ready and cacheable:
             _remember(x, facts)
     if config.cai_sync and (stream is not None or not ready):
@@ -221,10 +230,10 @@ def _facts(x):
 _ready_facts: dict[int, tuple] = {}
 
 
-def _remember(x, facts, table=_ready_facts):
+def _remember(x, facts, table: dict[int, tuple] = _ready_facts) -> None:
     key = id(x)
     try:
-        ref = weakref.ref(x, lambda _, key=key: table.pop(key, None))
+        ref = weakref.ref(x, lambda _: table.pop(key, None))
     except TypeError:  # an ArrayImpl without weak references: no cache
         return
     table[key] = (ref, facts)
@@ -318,6 +327,7 @@ def dlpack_device(x):
     array is kDLCUDAHost (jax < 0.10.2 said kDLCUDA), device memory kDLCUDA,
     a CPU array kDLCPU."""
     sharding = x.sharding
+    device: Any
     if type(sharding) is jax.sharding.SingleDeviceSharding:
         device = sharding._device
     else:
@@ -346,7 +356,10 @@ def _versioned(max_version):
     return pair >= (1, 0)
 
 
-def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
+def to_dlpack(x: jax.Array, *, stream: int | None = None,
+              max_version: tuple[int, int] | None = None,
+              dl_device: tuple[int, int] | None = None,
+              copy: bool | None = None) -> CapsuleType:
     """A DLPack capsule of a single-device JAX array, per the Array API's
     ``__dlpack__``.
 
@@ -422,7 +435,7 @@ def to_dlpack(x, *, stream=None, max_version=None, dl_device=None, copy=None):
         raise BufferError(
             f"stream={stream!r}: pass None (legacy default stream), -1 (no "
             "ordering), 1, 2 or a CUDA stream handle")
-    ready = x.is_ready()
+    ready = x.is_ready()  # type: ignore[attr-defined]  # an ArrayImpl: checked above
     if target[0] == _KDLCPU:
         if stream not in (None, -1):
             # Stock jaxlib: UNIMPLEMENTED, a JaxRuntimeError.

@@ -5,6 +5,8 @@ jaxlib's DLPack import."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 
@@ -202,7 +204,9 @@ def finish(arr, copied, *, device=None, copy=None):
     return arr
 
 
-def from_cuda_array_interface(obj, *, device=None, copy=None):
+def from_cuda_array_interface(obj: Any, *,
+                              device: jax.Device | jax.sharding.Sharding | None = None,
+                              copy: bool | None = None) -> jax.Array:
     """A :class:`jax.Array` over the memory of any object with
     ``__cuda_array_interface__`` (versions 0 to 3).
 

@@ -137,11 +137,11 @@ def external_reference(x):
 
 try:
     x64 = jax.enable_x64  # a context manager: x64(True) for 64-bit traces
-except AttributeError:  # jax < 0.8
-    from jax.experimental import enable_x64 as _on
+except AttributeError:  # jax < 0.8 (not in the stubs of the jax mypy checks with)
+    from jax.experimental import enable_x64 as _on  # type: ignore[attr-defined]
 
-    def x64(on=True):
-        from jax.experimental import disable_x64
+    def x64(on=True):  # type: ignore[misc]
+        from jax.experimental import disable_x64  # type: ignore[attr-defined]
         return _on() if on else disable_x64()
 
 

@@ -8,7 +8,8 @@ code as ``jax_overlay.from_dlpack`` / ``from_cuda_array_interface``."""
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 
@@ -23,7 +24,7 @@ class Shard(NamedTuple):
 
     device: jax.Device
     """The device holding the shard."""
-    index: tuple
+    index: tuple  # type: ignore[assignment]  # the field shadows tuple.index
     """The shard's block of the global array: ``x[index]`` (a tuple of slices)."""
     data: jax.Array
     """A single-device array over the shard's own buffer (no copy), exportable
@@ -35,7 +36,7 @@ def _name(obj):
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def to_shards(x) -> list[Shard]:
+def to_shards(x: jax.Array) -> list[Shard]:
     """The addressable shards of `x`, in the order of ``x.addressable_shards``
     (the sharding's device order): each one's device, its index into the
     global array and its data as a single-device array that shares the
@@ -99,7 +100,7 @@ def _check_place(name, arr, want, sharding, order, keyed):
             f"or use a sharding with memory_kind={arr.sharding.memory_kind!r}")
 
 
-def _global_shape(global_shape, sharding, first):
+def _global_shape(global_shape, sharding, first) -> tuple[int, ...]:
     """`global_shape` checked, or inferred from the first shard: JAX tiles
     every dimension evenly, so the global extent is the shard's times the
     number of blocks the sharding cuts that dimension into (read from the
@@ -128,7 +129,10 @@ def _block_shape(index, global_shape):
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, global_shape))
 
 
-def from_shards(arrays, sharding, *, global_shape=None, copy=None):
+def from_shards(arrays: list[Any] | tuple[Any, ...] | dict[jax.Device, Any],
+                sharding: jax.sharding.Sharding, *,
+                global_shape: Sequence[int] | None = None,
+                copy: bool | None = None) -> jax.Array:
     """A global :class:`jax.Array` with `sharding`, assembled from one array
     per addressable device, without copying (through
     ``jax.make_array_from_single_device_arrays``).
@@ -193,21 +197,21 @@ def from_shards(arrays, sharding, *, global_shape=None, copy=None):
                 raise ValueError(
                     f"{name} is {arr.dtype} but {name0} is {arr0.dtype}; a jax.Array "
                     "has one dtype: convert on the producer's side first")
-    global_shape = _global_shape(
+    shape = _global_shape(
         global_shape, sharding, (shards[0][0], shards[0][2].shape) if shards else None)
     try:
-        indices = sharding.addressable_devices_indices_map(global_shape)
+        indices = sharding.addressable_devices_indices_map(shape)
     except ValueError as e:  # uneven tiling, or a spec longer than the rank
-        raise ValueError(f"global_shape={global_shape} does not fit the sharding: {e}") from None
+        raise ValueError(f"global_shape={shape} does not fit the sharding: {e}") from None
     for name, device, arr in shards:
-        want = _block_shape(indices[device], global_shape)
+        want = _block_shape(indices[device], shape)
         if arr.shape != want:
             raise ValueError(
                 f"{name} has shape {arr.shape}, but the sharding gives {device} the "
-                f"block {indices[device]} of the global shape {global_shape}, of shape "
+                f"block {indices[device]} of the global shape {shape}, of shape "
                 f"{want}; pass that block, or the global_shape= it belongs to")
     # Lifetime: the global array holds the very buffers of these single-device
     # arrays, and each buffer holds its producer until PJRT frees it, so the
     # intermediates can go.
     return jax.make_array_from_single_device_arrays(
-        global_shape, sharding, [arr for _, _, arr in shards])
+        shape, sharding, [arr for _, _, arr in shards])

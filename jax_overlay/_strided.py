@@ -117,7 +117,7 @@ def kernel_plan(shape, strides, offset, itemsize, unit):
     count = math.prod(n for n, _ in dims)
     if count == 0 or count > _LIMIT:
         return None
-    merged = []
+    merged: list[tuple[int, int]] = []
     for n, s in dims:
         if n == 1:
             continue
@@ -143,11 +143,11 @@ def _ffi_version():
     found = [re.search(rf"#define XLA_FFI_API_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR")]
     if not all(found):
         raise BufferError(f"no XLA FFI version in {path}")
-    return tuple(int(m.group(1)) for m in found)
+    return tuple(int(m.group(1)) for m in found if m is not None)
 
 
 _registered = None  # None: not tried; else "" or why the kernel is unusable
-_prepared = {}
+_prepared: dict[int, str] = {}
 
 
 def kernel_status(device):

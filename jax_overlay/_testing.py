@@ -9,6 +9,7 @@ import gc
 import itertools
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -170,7 +171,8 @@ _forged_deleter = _DELETER(_release)
 
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 def _forged_destructor(capsule):
-    address = _forged_ids.get(_capsule_context(capsule))
+    # A null context is None, which no entry has.
+    address: Any = _forged_ids.get(_capsule_context(capsule))
     entry = _forged.get(address)
     if entry is None or _capsule_name(capsule) != entry[3]:
         return  # consumed (renamed) or already released: not ours to free
@@ -200,6 +202,7 @@ def forge_capsule(*, data, device=(1, 0), ndim=None, dtype=(2, 32, 1), shape=(),
         ndim = 0 if shape is None else len(shape)
     tensor = _DLTensor(data, _DLDevice(*device), ndim, _DLDataType(*dtype),
                        int64s(shape), int64s(strides), byte_offset)
+    managed: ctypes.Structure
     if versioned:
         managed = _DLManagedTensorVersioned(version[0], version[1], None,
                                             _forged_deleter, flags, tensor)

@@ -431,7 +431,7 @@ def need(module):
 def _distributions():
     """{normalised distribution name: version} of what is installed."""
     from importlib import metadata
-    out = {}
+    out: dict[str, str] = {}
     for dist in metadata.distributions():
         name = dist.metadata["Name"]
         if name:
@@ -631,7 +631,7 @@ def footnotes(report):
 
 
 def summary(report):
-    counts = {}
+    counts: dict[str, int] = {}
     for r in report["rows"]:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     parts = [f"{counts[s]} {s}" for s in STATUSES if counts.get(s)]

@@ -29,8 +29,9 @@ def stage(src, suites):
     shutil.rmtree(dest, ignore_errors=True)
     pkg = dest / "jax_overlay"
     pkg.mkdir(parents=True)
-    for f in (src / "jax_overlay").glob("*.py"):
-        shutil.copy(f, pkg)
+    for pattern in ("*.py", "*.pyi", "py.typed"):
+        for f in (src / "jax_overlay").glob(pattern):
+            shutil.copy(f, pkg)
     shutil.copy(src / "xla_ext" / "_xla_ext.so", pkg / "_xla_ext.so")
     shutil.copy(src / "pyproject.toml", dest)  # pytest's markers and options
     (dest / "tests").mkdir()

@@ -1,6 +1,7 @@
 import os
 import pathlib
 import sys
+import sysconfig
 
 import pytest
 
@@ -9,6 +10,38 @@ GPU_DIR = pathlib.Path(__file__).parent / "gpu"
 # JAX would otherwise take 75% of the GPU up front, starving the CuPy, PyTorch
 # and Numba producers the GPU suite runs beside it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+# .ci/run sets it where the suites run against the installed wheel: the run
+# stops at once unless `import jax_overlay` finds it in site-packages.
+INSTALLED = "JAX_OVERLAY_TEST_INSTALLED"
+
+
+def _jax_overlay_location():
+    """(package directory, native module) of the jax_overlay this run
+    imports; its ImportError says how to build it."""
+    import jax_overlay
+    from jax_overlay import _xla_ext
+    return pathlib.Path(jax_overlay.__file__).resolve().parent, _xla_ext.__file__
+
+
+def pytest_report_header(config):
+    try:
+        where, native = _jax_overlay_location()
+    except Exception as e:  # the tests that need it report it themselves
+        return f"jax_overlay: not importable: {type(e).__name__}: {e}"
+    return f"jax_overlay: {where} (native module {native})"
+
+
+def pytest_configure(config):
+    if os.environ.get(INSTALLED, "") in ("", "0"):
+        return
+    where, _ = _jax_overlay_location()
+    site = {pathlib.Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+    if where.parent not in site:
+        raise pytest.UsageError(
+            f"{INSTALLED} is set, but jax_overlay is imported from {where}, not from "
+            f"this Python's site-packages ({', '.join(map(str, sorted(site)))})")
 
 
 def gpu_skip_reason():

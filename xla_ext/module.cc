@@ -12,6 +12,7 @@
 #include "ffi_handler.h"
 #include "gil_handoff.h"
 #include "import_plan.h"
+#include "jax_overlay_build_info.h"  // generated: see build_info.py
 #include "layout.h"
 #include "strided_kernel.h"
 
@@ -467,4 +468,12 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.attr("DLPACK_VERSION") = py::make_tuple(dl::kMajorVersion, dl::kMinorVersion);
   m.attr("FLAG_READ_ONLY") = dl::kFlagReadOnly;
   m.attr("FLAG_IS_COPIED") = dl::kFlagIsCopied;
+
+  // What this module was built from, compared at import with the Python
+  // package and the running jaxlib (jax_overlay/_native.py).
+  m.attr("VERSION") = JAX_OVERLAY_VERSION;
+  m.attr("ABI") = JAX_OVERLAY_ABI;
+  m.attr("JAXLIB_RANGE") =
+      py::make_tuple(JAX_OVERLAY_JAXLIB_MIN, JAX_OVERLAY_JAXLIB_BELOW);
+  m.attr("JAXLIB_AT_BUILD") = JAX_OVERLAY_JAXLIB_AT_BUILD;
 }
