@@ -6,7 +6,7 @@
     jax_overlay.install()        # JAX's own entry points use the same paths
     shards = jax_overlay.to_shards(sharded_x)     # per-device export
     x = jax_overlay.from_shards([t0, t1], sharding)  # per-device import
-    f = jax_overlay.foreign(np_fn, framework="numpy", result_shape_dtypes=...)
+    f = jax_overlay.foreign(torch_fn, framework="torch", result_shape_dtypes=...)
 """
 
 from ._version import __version__
@@ -15,11 +15,11 @@ from ._config import config
 from ._dlpack import from_dlpack
 from ._errors import CopyRequiredError
 from ._exports import cuda_array_interface, to_dlpack
-from ._foreign import ForeignError, foreign
+from ._foreign import ForeignError, foreign, foreign_stream
 from ._imports import from_cuda_array_interface
 from ._install import install, installed, uninstall
 from ._shards import Shard, from_shards, to_shards
 
 __all__ = ["CopyRequiredError", "ForeignError", "Shard", "config", "cuda_array_interface",
-           "foreign", "from_cuda_array_interface", "from_dlpack", "from_shards", "install",
+           "foreign", "foreign_stream", "from_cuda_array_interface", "from_dlpack", "from_shards", "install",
            "installed", "to_dlpack", "to_shards", "uninstall"]

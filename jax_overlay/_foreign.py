@@ -3,35 +3,69 @@ library runs on views of XLA's own buffers, through
 ``jax.experimental.buffer_callback``, with no copy of its inputs and no
 host synchronisation beyond what the library itself does.
 
-Frameworks: ``"numpy"`` (host buffers, the CPU backend).  The GPU
-frameworks (``"torch"``, ``"cupy"``, ``"numba"``) are refused with a clear
-error until their paths have been proven on a GPU.
+Frameworks: ``"numpy"`` (host buffers, the CPU backend); ``"torch"``,
+``"cupy"`` and ``"numba"`` (device buffers, on XLA's own CUDA stream; see
+``_foreign_gpu``).
 
 Lifetime: the views given to ``fn`` are XLA's buffers for the duration of
-the call only.  Inputs are read-only views; outputs are written by copying
-what ``fn`` returns into XLA's output buffers, or, with ``out=True``, by
-``fn`` itself into the views it is given.  A view that ``fn`` keeps past
-the call (in a global, a closure, a list) would read memory XLA reuses: it
-is detected when the call returns, and the call fails with an error that
-says to copy what is kept.
+the call only.  Inputs are views XLA still owns (read-only where the
+framework has read-only arrays); outputs are written by copying what ``fn``
+returns into XLA's output buffers, or, with ``out=True``, by ``fn`` itself
+into the views it is given.  A view that ``fn`` keeps past the call (in a
+global, a closure, a list) would read memory XLA reuses: every view holds a
+token, and a token still alive when the call returns fails the call with
+an error that says to copy what is kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import sys
+import gc
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
 
 FRAMEWORKS = ("numpy", "torch", "cupy", "numba")
-_PROVEN = ("numpy",)
+_KDL_CPU = 1
 
 
 class ForeignError(RuntimeError):
     """What ``fn`` did wrong inside a foreign call: an exception it raised
     (chained), an output that contradicts ``result_shape_dtypes``, or a view
     it kept.  XLA reports it as its runtime error, naming this class."""
+
+
+_local = threading.local()
+
+
+def foreign_stream() -> Any:
+    """The stream of the foreign call running on this thread, in its
+    framework's type: ``torch.cuda.ExternalStream``,
+    ``cupy.cuda.ExternalStream`` or a Numba external stream, each wrapping
+    XLA's own stream; None for ``"numpy"``.  PyTorch and CuPy already have
+    it current; Numba kernels take it at launch:
+    ``kernel[blocks, threads, jax_overlay.foreign_stream()](...)``."""
+    stack = getattr(_local, "streams", None)
+    if not stack:
+        raise RuntimeError(
+            "jax_overlay.foreign_stream() is only defined while a foreign function runs "
+            "(inside the fn given to jax_overlay.foreign)")
+    return stack[-1]
+
+
+@contextlib.contextmanager
+def _current(stream: Any) -> Iterator[None]:
+    stack = _local.__dict__.setdefault("streams", [])
+    stack.append(stream)
+    try:
+        yield
+    finally:
+        stack.pop()
 
 
 def _spec_leaf(x, where):
@@ -55,51 +89,66 @@ def _result_spec(result_shape_dtypes, args):
     return jax.tree_util.tree_unflatten(tree, flat)
 
 
-def _check_output(i, got, want):
-    """`got`, the i-th output of fn, as an array XLA's buffer can take."""
-    arr = np.asarray(got)
-    if not isinstance(got, np.ndarray) and np.ndim(got) == 0 and arr.dtype != want.dtype:
-        # A Python scalar for a 0-d output: its value, in the declared dtype.
-        arr = np.asarray(got, want.dtype)
-    if arr.shape != want.shape or arr.dtype != want.dtype:
-        raise ForeignError(
-            f"output {i} of the foreign function is {arr.dtype}{list(arr.shape)}, but "
-            f"result_shape_dtypes says {np.dtype(want.dtype)}{list(want.shape)}; return "
-            "exactly that, or correct result_shape_dtypes")
-    return arr
+def _mismatch(i, got_dtype, got_shape, want_dtype, want_shape):
+    return ForeignError(
+        f"output {i} of the foreign function is {got_dtype}{list(got_shape)}, but "
+        f"result_shape_dtypes says {np.dtype(want_dtype)}{list(want_shape)}; return "
+        "exactly that, or correct result_shape_dtypes")
 
 
 class _NumPy:
     """Views of XLA's host buffers as NumPy arrays."""
+    name = "numpy"
 
-    @staticmethod
-    def inputs(buffers):
-        views = []
+    def ordinal(self, buffers):
         for b in buffers:
-            v = np.asarray(b)
+            if b.__dlpack_device__()[0] != _KDL_CPU:
+                raise ForeignError(
+                    "framework='numpy' runs on host buffers, and this computation runs on a "
+                    f"GPU ({b.__dlpack_device__()}); use framework='torch', 'cupy' or 'numba' "
+                    "there, or put the inputs on the CPU (jax.device_put(x, jax.devices('cpu')[0]))")
+        return None
+
+    @contextlib.contextmanager
+    def session(self, ctx, ordinal):
+        with _current(None):
+            yield None
+
+    def view(self, b, writeable, tokens):
+        v = np.asarray(b)
+        if not writeable:
             v.flags.writeable = False  # fn must not write into JAX's inputs
-            views.append(v)
-        return views
+        # A view of it (v[1:]) holds v: alive after the call means kept.
+        tokens.append(weakref.ref(v))
+        return v
 
-    @staticmethod
-    def outputs(buffers):
-        return [np.asarray(b) for b in buffers]
+    def output(self, i, got, view):
+        arr = np.asarray(got)
+        if not isinstance(got, np.ndarray) and np.ndim(got) == 0 and arr.dtype != view.dtype:
+            # A Python scalar for a 0-d output: its value, in the declared dtype.
+            arr = np.asarray(got, view.dtype)
+        if arr.shape != view.shape or arr.dtype != view.dtype:
+            raise _mismatch(i, arr.dtype, arr.shape, view.dtype, view.shape)
+        return arr
 
-    @staticmethod
-    def copy_into(view, arr):
+    def copy_into(self, view, arr, stream):
         np.copyto(view, arr)
 
 
-_ADAPTERS = {"numpy": _NumPy}
+def _adapter(framework):
+    if framework == "numpy":
+        return _NumPy()
+    from . import _foreign_gpu
+    return _foreign_gpu.adapter(framework)
 
 
-def _refs(views):
-    return [sys.getrefcount(v) for v in views]
-
-
-def _run(fn, adapter, inputs, out_tree, out_views, write_out):
-    """Calls fn and fills XLA's output buffers.  Its own function, so that
-    nothing of the call (loop variables, the result) outlives it here."""
+def _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens):
+    """Makes the views, calls fn and fills XLA's output buffers.  Its own
+    function, so that no view made here outlives it: what is still alive
+    when it returns, fn kept."""
+    in_views = [adapter.view(b, False, tokens) for b in jax.tree_util.tree_leaves(args)]
+    out_views = [adapter.view(b, True, tokens) for b in jax.tree_util.tree_leaves(outs)]
+    inputs = jax.tree_util.tree_unflatten(in_tree, in_views)
     if write_out:
         got = fn(*inputs, out=jax.tree_util.tree_unflatten(out_tree, out_views))
         if got is not None:
@@ -115,20 +164,16 @@ def _run(fn, adapter, inputs, out_tree, out_views, write_out):
     # Checked against XLA's own output buffers: under vmap they carry the
     # batch dimension that result_shape_dtypes does not.
     for i, (view, leaf) in enumerate(zip(out_views, leaves)):
-        adapter.copy_into(view, _check_output(i, leaf, view))
+        adapter.copy_into(view, adapter.output(i, leaf, view), stream)
 
 
 def _make_callback(fn, adapter, in_tree, out_tree, write_out):
     def callback(ctx, outs, *args):
-        del ctx  # the CPU backend has no stream
-        in_views = adapter.inputs(jax.tree_util.tree_leaves(args))
-        out_views = adapter.outputs(jax.tree_util.tree_leaves(outs))
-        # Counted before fn sees them: a reference more after the call is
-        # one fn kept (the view itself, or a view of it, which holds it).
-        before = _refs(in_views) + _refs(out_views)
+        ordinal = adapter.ordinal(jax.tree_util.tree_leaves((outs, args)))
+        tokens: list = []
         try:
-            _run(fn, adapter, jax.tree_util.tree_unflatten(in_tree, in_views),
-                 out_tree, out_views, write_out)
+            with adapter.session(ctx, ordinal) as stream:
+                _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens)
         except ForeignError:
             raise
         except Exception as e:
@@ -137,58 +182,98 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out):
             raise ForeignError(
                 f"the foreign function {getattr(fn, '__qualname__', fn)!r} raised "
                 f"{type(e).__qualname__}: {e}") from e
-        if _refs(in_views) + _refs(out_views) != before:
-            raise ForeignError(
-                "the foreign function kept a view of XLA's buffers past the call "
-                "(XLA reuses that memory once the call returns); copy what you keep, "
-                "e.g. np.array(x) instead of x")
+        if any(t() is not None for t in tokens):
+            gc.collect()  # a view in a reference cycle of fn's is not kept
+            if any(t() is not None for t in tokens):
+                raise ForeignError(
+                    "the foreign function kept a view of XLA's buffers past the call "
+                    "(XLA reuses that memory once the call returns); copy what you keep, "
+                    "e.g. np.array(x), x.clone() or x.copy() instead of x")
     return callback
 
 
-def foreign(fn, *, framework, result_shape_dtypes, vjp=None, vmap_method=None, out=False):
+def _check_placement(args, framework):
+    """Concrete inputs that no foreign call can take: sharded, pinned, or on
+    the wrong kind of device.  (Traced inputs are checked in the call.)"""
+    gpu = framework != "numpy"
+    for i, x in enumerate(jax.tree_util.tree_leaves(args)):
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(x, jax.Array) or sharding is None or isinstance(x, jax.core.Tracer):
+            continue
+        devices = sharding.device_set
+        if len(devices) > 1:
+            raise ValueError(
+                f"input {i} is sharded over {len(devices)} devices; a foreign function runs on "
+                "one device's buffers: gather it first (jax.device_put(x, device)), or call the "
+                "foreign function per shard inside jax.shard_map")
+        if getattr(sharding, "memory_kind", None) == "pinned_host":
+            raise ValueError(
+                f"input {i} is in pinned host memory; a foreign function reads device memory: "
+                "move it first (jax.device_put(x, x.sharding.with_memory_kind('device')))")
+        platform = next(iter(devices)).platform
+        if gpu != (platform in ("gpu", "cuda", "rocm")):
+            raise ValueError(
+                f"input {i} is on {platform}, and framework={framework!r} runs on "
+                f"{'CUDA GPUs' if gpu else 'the CPU'}: "
+                + ("use framework='numpy' for CPU arrays, or jax.device_put(x, jax.devices('gpu')[0])"
+                   if gpu else "use framework='torch', 'cupy' or 'numba' for GPU arrays, or "
+                   "jax.device_put(x, jax.devices('cpu')[0])"))
+
+
+def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
+            vjp: Callable[..., Any] | str | None = None, vmap_method: str | None = None,
+            out: bool = False) -> Callable[..., Any]:
     """``fn`` as a JAX function that runs inside ``jax.jit``, eagerly, under
     ``jax.vmap`` and, given ``vjp``, under ``jax.grad``.
 
     * ``framework``: ``"numpy"`` runs on views of XLA's host buffers (the
-      CPU backend).  ``"torch"``, ``"cupy"`` and ``"numba"`` are not
-      available yet.
+      CPU backend); ``"torch"``, ``"cupy"`` and ``"numba"`` on views of its
+      device buffers, on XLA's own CUDA stream (PyTorch and CuPy have it
+      current; Numba kernels take ``jax_overlay.foreign_stream()``).
     * ``result_shape_dtypes``: a pytree of ``jax.ShapeDtypeStruct``, or a
       function of the inputs' shapes and dtypes (as ShapeDtypeStructs)
       returning one.
-    * ``fn(*inputs)`` receives read-only views (pytrees as passed) and
-      returns its outputs, which are copied into XLA's output buffers; with
-      ``out=True``, ``fn(*inputs, out=views)`` writes into XLA's output
+    * ``fn(*inputs)`` receives views (pytrees as passed; NumPy's are
+      read-only, and no framework may write into them) and returns its
+      outputs, which are copied into XLA's output buffers on XLA's stream;
+      with ``out=True``, ``fn(*inputs, out=views)`` writes into XLA's output
       buffers itself and returns None (no copy at all).  A returned shape or
       dtype that contradicts ``result_shape_dtypes`` raises on the call.
     * ``vjp(*inputs, cotangent)`` of the same framework returns the inputs'
       cotangents (a tuple, one per input); it is run as a second foreign
       call through ``jax.custom_vjp``, the inputs kept as the residuals.
+      ``vjp="autograd"`` (``framework="torch"``): PyTorch's autograd of
+      ``fn`` computes them, inside that second call.
     * ``vmap_method``: as for ``jax.pure_callback`` (``"sequential"``,
       ``"expand_dims"``, ``"broadcast_all"``).
     * Views live for the call only: anything ``fn`` keeps must be a copy.
     """
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework={framework!r}: pass one of {', '.join(map(repr, FRAMEWORKS))}")
-    if framework not in _PROVEN:
-        raise NotImplementedError(
-            f"framework={framework!r} is not available in this version of jax_overlay; "
-            "framework='numpy' runs on the CPU backend, and jax.pure_callback runs "
-            "any library through host copies")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__qualname__}")
-    adapter = _ADAPTERS[framework]
+    if isinstance(vjp, str) and (vjp != "autograd" or framework != "torch"):
+        raise ValueError(
+            f"vjp={vjp!r}: the one named vjp is 'autograd', for framework='torch'; "
+            "otherwise pass a function of the same framework")
+    if vjp is not None and not isinstance(vjp, str) and not callable(vjp):
+        raise TypeError(f"vjp must be callable, 'autograd' or None, got {type(vjp).__qualname__}")
 
     @functools.lru_cache(maxsize=64)
     def _compiled(in_tree, out_spec_key):
         out_tree, out_specs = out_spec_key
         spec = jax.tree_util.tree_unflatten(out_tree, list(out_specs))
         from jax.experimental.buffer_callback import buffer_callback
-        cb = _make_callback(fn, adapter, in_tree, out_tree, out)
+        # The framework is imported on the first call, not when fn is wrapped.
+        cb = _make_callback(fn, _adapter(framework), in_tree, out_tree, out)
+        # command_buffer_compatible stays False: fn's Python must run on
+        # every call, not once into a CUDA graph that XLA replays.
         return buffer_callback(cb, spec, vmap_method=vmap_method)
 
     def call(*args):
         if not args:
             raise TypeError("a foreign function takes at least one array argument")
+        _check_placement(args, framework)
         spec = _result_spec(result_shape_dtypes, args)
         out_leaves, out_tree = jax.tree_util.tree_flatten(spec)
         in_tree = jax.tree_util.tree_structure(args)
@@ -197,10 +282,15 @@ def foreign(fn, *, framework, result_shape_dtypes, vjp=None, vmap_method=None, o
     if vjp is None:
         return functools.wraps(fn)(call)
 
-    def vjp_spec(*args):
-        return tuple(args[:-1])  # one cotangent per input, shaped as it
+    if vjp == "autograd":
+        from . import _foreign_gpu
+        backward_fn, vjp_spec = _foreign_gpu.autograd_vjp(fn)
+    else:
+        backward_fn = vjp
 
-    backward = foreign(vjp, framework=framework, result_shape_dtypes=vjp_spec,
+        def vjp_spec(*args):
+            return tuple(args[:-1])  # one cotangent per input, shaped as it
+    backward = foreign(backward_fn, framework=framework, result_shape_dtypes=vjp_spec,
                        vmap_method=vmap_method)
 
     @jax.custom_vjp
@@ -211,7 +301,18 @@ def foreign(fn, *, framework, result_shape_dtypes, vjp=None, vmap_method=None, o
         return call(*args), args  # the inputs are the residuals (JAX arrays)
 
     def bwd(residuals, cotangent):
-        return tuple(backward(*residuals, cotangent))
+        return _cotangents(residuals, backward(*residuals, cotangent))
 
     differentiable.defvjp(fwd, bwd)
     return functools.wraps(fn)(differentiable)
+
+
+def _cotangents(residuals, got):
+    """The backward call's outputs as custom_vjp wants them: integer and
+    boolean inputs have no cotangent but float0 zeros."""
+    out = []
+    for x, ct in zip(residuals, got):
+        out.append(jax.tree_util.tree_map(
+            lambda x, c: c if jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.inexact)
+            else np.zeros(np.shape(x), jax.dtypes.float0), x, ct))
+    return tuple(out)

@@ -196,9 +196,12 @@ def test_a_kept_view_is_detected():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="framework='jax'"):
         jax_overlay.foreign(abs, framework="jax", result_shape_dtypes=SAME)
-    for name in ("torch", "cupy", "numba"):
-        with pytest.raises(NotImplementedError, match="not available"):
-            jax_overlay.foreign(abs, framework=name, result_shape_dtypes=SAME)
+    with pytest.raises(ValueError, match="vjp='backprop'.*'autograd'"):
+        jax_overlay.foreign(abs, framework="torch", result_shape_dtypes=SAME, vjp="backprop")
+    with pytest.raises(ValueError, match="'autograd', for framework='torch'"):
+        jax_overlay.foreign(abs, framework="numpy", result_shape_dtypes=SAME, vjp="autograd")
+    with pytest.raises(TypeError, match="vjp must be callable"):
+        jax_overlay.foreign(abs, framework="numpy", result_shape_dtypes=SAME, vjp=3)
     with pytest.raises(TypeError, match="callable"):
         jax_overlay.foreign(3, framework="numpy", result_shape_dtypes=SAME)
     f = jax_overlay.foreign(abs, framework="numpy", result_shape_dtypes=[(3,)])
@@ -229,3 +232,60 @@ def test_one_callback_per_signature(monkeypatch):
     assert len(calls) == 5 and len(made) == 1
     f(on_cpu(jnp.ones(9, jnp.float32))).block_until_ready()
     assert len(made) == 2
+
+
+@pytest.mark.parametrize("name", ["torch", "cupy", "numba"])
+def test_gpu_frameworks_refuse_cpu_arrays_before_importing_anything(name):
+    f = jax_overlay.foreign(lambda x: x, framework=name, result_shape_dtypes=SAME)
+    with pytest.raises(ValueError, match=f"input 0 is on cpu, and framework='{name}' runs on CUDA"):
+        f(on_cpu(jnp.ones(3)))
+
+
+def test_numpy_refuses_gpu_buffers_under_jit(monkeypatch):
+    """A traced input's placement is only known in the call: the buffers'
+    DLPack device, checked there (here a CPU buffer posing as a GPU one)."""
+    from jax_overlay import _foreign
+
+    class Gpu:
+        def __dlpack_device__(self):
+            return (2, 0)
+    with pytest.raises(_foreign.ForeignError, match="framework='numpy' runs on host buffers"):
+        _foreign._NumPy().ordinal([Gpu()])
+
+
+@pytest.mark.parametrize("name", ["torch", "cupy", "numba"])
+def test_a_missing_framework_says_which(name):
+    try:
+        __import__({"numba": "numba.cuda"}.get(name, name))
+        pytest.skip(f"{name} imports here")
+    except ImportError:
+        pass
+    from jax_overlay import _foreign
+    with pytest.raises(ImportError, match=f"framework='{name}' needs"):
+        _foreign._adapter(name)
+
+
+def test_foreign_stream_is_the_calls_and_only_inside_one():
+    with pytest.raises(RuntimeError, match="only defined while a foreign function runs"):
+        jax_overlay.foreign_stream()
+    seen = []
+
+    def fn(x):
+        seen.append(jax_overlay.foreign_stream())
+        return x
+    numpy_fn(fn)(on_cpu(jnp.ones(2))).block_until_ready()
+    assert seen == [None]
+    with pytest.raises(RuntimeError):
+        jax_overlay.foreign_stream()
+
+
+def test_integer_inputs_get_float0_cotangents():
+    """The vjp's cotangents for integer inputs are ignored: custom_vjp gets
+    float0 zeros for them, whatever the vjp returned."""
+    f = numpy_fn(lambda x, n: (x * n).astype(x.dtype), lambda x, n: x,
+                 vjp=lambda x, n, ct: ((ct * n).astype(x.dtype), np.full_like(n, 7)))
+    g = jax.grad(lambda x: f(x, on_cpu(jnp.arange(3))).sum())(on_cpu(jnp.ones(3)))
+    np.testing.assert_array_equal(np.asarray(g), [0, 1, 2])
+    gx, gn = jax.grad(lambda x, n: f(x, n).sum(), argnums=(0, 1), allow_int=True)(
+        on_cpu(jnp.ones(3)), on_cpu(jnp.arange(3)))
+    assert gn.dtype == jax.dtypes.float0

@@ -1,0 +1,133 @@
+"""jax_overlay.foreign against jax.pure_callback and torch2jax, same process,
+alternating rounds.
+
+The foreign op is PyTorch's gelu.  Per round, each case is timed once, in
+rotating order, as end-to-end calls (dispatch to ready, one at a time):
+  torch alone   gelu on a PyTorch tensor, then synchronize (jax-free: the
+                control, and the floor every other case is measured against)
+  foreign       jit(jax_overlay.foreign(gelu, framework="torch"))
+  pure_callback jit(jax.pure_callback(gelu via host copies))
+  torch2jax     wrap_torch2jax.torch2jax(gelu), where it installs
+  jax           jit(jax.nn.gelu), JAX's own op, for scale
+Sizes: 1K float32 (per-call overhead) and 256 MiB float32 (end to end).
+Reported: median over rounds of each case's µs, and per round the overhead
+(case - torch alone) and the ratios, medians over rounds.
+
+    python benchmarks/bench_foreign.py [--rounds 15] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import jax_overlay  # noqa: E402
+
+SIZES = {"1K": (1024, 300), "256MiB": (64 << 20, 10)}  # elements, calls per timing
+
+
+def gelu(x):
+    return torch.nn.functional.gelu(x)
+
+
+def cases(n):
+    spec = jax.ShapeDtypeStruct((n,), jnp.float32)
+    x = jnp.linspace(-3, 3, n, dtype=jnp.float32)
+    t = torch.linspace(-3, 3, n, device="cuda")
+    foreign = jax.jit(jax_overlay.foreign(gelu, framework="torch", result_shape_dtypes=spec))
+
+    def host_gelu(h):
+        return gelu(torch.from_numpy(np.asarray(h)).cuda()).cpu().numpy()
+    pure = jax.jit(lambda v: jax.pure_callback(host_gelu, spec, v))
+    own = jax.jit(jax.nn.gelu)
+
+    def torch_alone():
+        gelu(t)
+        torch.cuda.synchronize()
+    out = {"torch alone": torch_alone,
+           "foreign": lambda: foreign(x).block_until_ready(),
+           "pure_callback": lambda: pure(x).block_until_ready(),
+           "jax": lambda: own(x).block_until_ready()}
+    try:
+        import wrap_torch2jax
+        t2j = wrap_torch2jax.torch2jax(gelu, t, depth=0)
+        t2j(x).block_until_ready()
+        out["torch2jax"] = lambda: t2j(x).block_until_ready()
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        out["torch2jax"] = f"{type(e).__name__}: {e}"[:200]
+    # The same values: foreign against torch alone.
+    np.testing.assert_allclose(np.asarray(foreign(x)), gelu(t).cpu().numpy(), rtol=1e-6, atol=1e-6)
+    return out
+
+
+def timed(fn, calls):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    results, lines = {}, []
+    env = (f"{torch.cuda.get_device_name()}, jax {jax.__version__}, torch {torch.__version__}, "
+           f"Python {platform.python_version()}")
+    lines.append(f"# jax_overlay.foreign vs pure_callback / torch2jax, same process, "
+                 f"{args.rounds} alternating rounds; {env}")
+    for size, (n, calls) in SIZES.items():
+        made = cases(n)
+        runnable = {k: v for k, v in made.items() if callable(v)}
+        for fn in runnable.values():  # warm up: compile, allocate
+            fn()
+        per = {k: [] for k in runnable}
+        names = list(runnable)
+        for r in range(args.rounds):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                per[k].append(timed(runnable[k], calls))
+        base = per["torch alone"]
+        res = {"elements": n, "calls_per_timing": calls, "us": {}, "overhead_us": {},
+               "ratio_to_torch_alone": {}, "unavailable": {k: v for k, v in made.items()
+                                                           if not callable(v)}}
+        for k, ts in per.items():
+            res["us"][k] = statistics.median(ts)
+            res["overhead_us"][k] = statistics.median(a - b for a, b in zip(ts, base))
+            res["ratio_to_torch_alone"][k] = statistics.median(a / b for a, b in zip(ts, base))
+        res["overhead_foreign_over_pure_callback"] = statistics.median(
+            (f - b) / (p - b) for f, p, b in zip(per["foreign"], per["pure_callback"], base))
+        res["control_torch_alone_us_range"] = [min(base), max(base)]
+        results[size] = res
+        lines.append(f"\n## {size} float32 ({n} elements), µs per call, median of {args.rounds} rounds")
+        lines.append(f"{'case':16s} {'us':>10s} {'overhead us':>12s} {'x torch alone':>14s}")
+        for k in names:
+            lines.append(f"{k:16s} {res['us'][k]:10.1f} {res['overhead_us'][k]:12.1f} "
+                         f"{res['ratio_to_torch_alone'][k]:14.3f}")
+        for k, why in res["unavailable"].items():
+            lines.append(f"{k:16s} unavailable: {why}")
+        lines.append(f"foreign overhead / pure_callback overhead: "
+                     f"{res['overhead_foreign_over_pure_callback']:.3f}; control (torch alone) "
+                     f"{min(base):.1f}-{max(base):.1f} µs across rounds")
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "foreign-ab.txt"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, "foreign-ab.json"), "w") as f:
+        json.dump({"env": env, "rounds": args.rounds, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""jax_overlay.foreign on the GPU: PyTorch, CuPy and Numba code on views of
+XLA's device buffers, on XLA's stream, inside jit.
+
+The in-flight trials feed each foreign call an input whose producer is
+still running (XLA's stream held by a 3 ms spin kernel, then a fill:
+see producers.jax_fill), read it in the framework with no host wait, and
+consume the output in the next XLA op of the same jit.  A read that ran
+ahead of the producer sees the previous trial's values; the control shows
+that a framework op put on another stream does exactly that."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_overlay  # noqa: E402
+from jax_overlay import _xla_ext as ext  # noqa: E402
+
+from producers import jax_fill  # noqa: E402
+
+TRIALS = 1000
+N = 1 << 16
+SAME = lambda *xs: xs[0]  # noqa: E731
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _numba_cuda():
+    cuda = pytest.importorskip("numba.cuda")
+    try:
+        @cuda.jit
+        def double(src, dst):
+            i = cuda.grid(1)
+            if i < src.size:
+                dst[i] = src[i] * 2
+        double[1, 32](cuda.to_device(np.ones(4, np.float32)), cuda.device_array(4, np.float32))
+    except AttributeError as e:
+        if "row_stack" in str(e):
+            pytest.skip(f"this numba-cuda cannot compile kernels under NumPy {np.__version__}: {e} "
+                        "(tools/gpu_suite.sh reruns these with a NumPy it supports)")
+        raise
+    return cuda, double
+
+
+def _handle(numba_stream):
+    h = numba_stream.handle
+    return h.value if hasattr(h, "value") else int(h)
+
+
+def in_flight_trials(f, stream_busy):
+    """TRIALS calls of jit(f(x) + 1) on inputs still being computed: returns
+    (stale, pending) - wrong results, and calls whose fn found XLA's stream
+    still busy (the input was in flight when fn read it)."""
+    g = jax.jit(lambda x: (lambda y: jnp.stack([y.min(), y.max()]))(f(x) + 1))
+    g(jax_fill(0.0, n=N)).block_until_ready()
+    stale = 0
+    for k in range(1, TRIALS + 1):
+        lo, hi = np.asarray(g(jax_fill(float(k), steps=300, n=N)))
+        stale += (lo, hi) != (2 * k + 1, 2 * k + 1)
+    return stale, stream_busy[0]
+
+
+def test_torch_in_flight_inputs_read_on_xlas_stream():
+    torch = _torch()
+    busy = [0]
+
+    def fn(x):
+        busy[0] += not torch.cuda.current_stream().query()
+        assert torch.cuda.current_stream() == jax_overlay.foreign_stream()
+        return x * 2
+    f = jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=SAME)
+    stale, pending = in_flight_trials(f, busy)
+    assert pending > TRIALS // 2, f"only {pending} of {TRIALS} inputs were in flight: proves nothing"
+    assert stale == 0, f"{stale} of {TRIALS} PyTorch reads were stale"
+
+
+def test_control_an_op_on_another_stream_reads_stale():
+    """The detector works: the same op on a stream of PyTorch's own, not
+    ordered after XLA's, reads the input before its producer wrote it."""
+    torch = _torch()
+    side = torch.cuda.Stream()
+
+    def fn(x):
+        with torch.cuda.stream(side):
+            y = x * 2
+        torch.cuda.current_stream().wait_stream(side)
+        return y
+    f = jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=SAME)
+    stale, _ = in_flight_trials(f, [0])
+    assert stale > 0
+
+
+def test_cupy_in_flight_inputs_read_on_xlas_stream():
+    busy = [0]
+
+    def fn(x):
+        s = cp.cuda.get_current_stream()
+        assert s.ptr == jax_overlay.foreign_stream().ptr
+        busy[0] += not s.done
+        return x * 2
+    f = jax_overlay.foreign(fn, framework="cupy", result_shape_dtypes=SAME)
+    stale, pending = in_flight_trials(f, busy)
+    assert pending > TRIALS // 2
+    assert stale == 0, f"{stale} of {TRIALS} CuPy reads were stale"
+
+
+@pytest.mark.parametrize("launch", ["foreign_stream", "default_stream"])
+def test_numba_kernel_in_flight_inputs(launch):
+    """A kernel launched on jax_overlay.foreign_stream(), or on Numba's
+    default stream (fenced with events before and after fn)."""
+    cuda, double = _numba_cuda()
+    busy = [0]
+
+    def fn(x, out):
+        s = jax_overlay.foreign_stream()
+        busy[0] += not ext.stream_idle(0, _handle(s))
+        if launch == "foreign_stream":
+            double[(N + 255) // 256, 256, s](x, out)
+        else:
+            double[(N + 255) // 256, 256](x, out)
+    f = jax_overlay.foreign(lambda x, out: fn(x, out), framework="numba",
+                            result_shape_dtypes=SAME, out=True)
+    stale, pending = in_flight_trials(f, busy)
+    assert pending > TRIALS // 2
+    assert stale == 0, f"{stale} of {TRIALS} Numba kernel reads were stale"
+
+
+def test_numba_returned_device_array_is_copied_on_xlas_stream():
+    cuda, double = _numba_cuda()
+
+    def fn(x):
+        out = cuda.device_array(x.shape, x.dtype, stream=jax_overlay.foreign_stream())
+        double[(x.size + 255) // 256, 256, jax_overlay.foreign_stream()](x, out)
+        return out
+    f = jax.jit(jax_overlay.foreign(fn, framework="numba", result_shape_dtypes=SAME))
+    np.testing.assert_array_equal(np.asarray(f(jnp.arange(1000.0, dtype=jnp.float32))),
+                                  np.arange(1000.0) * 2)
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_dtypes_0d_and_zero_size(framework):
+    if framework == "torch":
+        _torch()
+    dtypes = [jnp.float32, jnp.float16, jnp.int32, jnp.uint8, jnp.bool_, jnp.complex64]
+    if framework == "torch":
+        dtypes.append(jnp.bfloat16)
+    for dtype in dtypes:
+        for shape in [(), (0, 3), (5, 7)]:
+            x = (jnp.arange(int(np.prod(shape)), dtype=jnp.float32) % 3).reshape(shape).astype(dtype)
+            f = jax.jit(jax_overlay.foreign(lambda x: x + x, framework=framework,
+                                            result_shape_dtypes=SAME))
+            got = f(x)
+            assert got.dtype == x.dtype and got.shape == shape
+            assert bool(jnp.array_equal(got, x + x)), (dtype, shape)
+
+
+def test_torch_out_true_and_python_scalar_outputs():
+    torch = _torch()
+
+    def fn(x, out):
+        torch.mul(x, 3, out=out)
+    f = jax.jit(jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=SAME, out=True))
+    np.testing.assert_array_equal(np.asarray(f(jnp.arange(5.0))), np.arange(5.0) * 3)
+    s = jax_overlay.foreign(lambda x: 2.5, framework="torch",
+                            result_shape_dtypes=jax.ShapeDtypeStruct((), jnp.float32))
+    assert float(s(jnp.ones(3))) == 2.5
+
+
+def test_torch_under_vmap():
+    _torch()
+    f = jax_overlay.foreign(lambda x: x.flip(-1), framework="torch", result_shape_dtypes=SAME,
+                            vmap_method="sequential")
+    xs = jnp.arange(12.0).reshape(3, 4)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(f))(xs)), np.asarray(xs)[:, ::-1])
+    g = jax_overlay.foreign(lambda x: x.flip(-1), framework="torch", result_shape_dtypes=SAME,
+                            vmap_method="expand_dims")
+    np.testing.assert_array_equal(np.asarray(jax.vmap(g)(xs)), np.asarray(xs)[:, ::-1])
+
+
+def test_torch_autograd_vjp_matches_jax_grad():
+    torch = _torch()
+
+    def torch_f(x, w, n):
+        return (torch.sin(x) * w + x ** 2 * w.sum()) * n
+
+    def jax_f(x, w, n):
+        return (jnp.sin(x) * w + x ** 2 * w.sum()) * n
+    f = jax_overlay.foreign(torch_f, framework="torch", result_shape_dtypes=SAME, vjp="autograd")
+    x = jnp.linspace(-1, 1, 64, dtype=jnp.float32)
+    w = jnp.cos(x)
+    n = jnp.arange(64, dtype=jnp.int32) % 3
+    loss = lambda f: lambda x, w: (f(x, w, n) ** 2).sum()  # noqa: E731
+    want = jax.grad(loss(jax_f), argnums=(0, 1))(x, w)
+    got = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-5)
+    _, gn = jax.grad(lambda x, n: f(x, w, n).sum(), argnums=(0, 1), allow_int=True)(x, n)
+    assert gn.dtype == jax.dtypes.float0
+
+
+def test_eight_threads_call_jitted_foreign_functions():
+    torch = _torch()
+    ft = jax.jit(jax_overlay.foreign(lambda x: torch.sqrt(x) + 1, framework="torch",
+                                     result_shape_dtypes=SAME))
+    fc = jax.jit(jax_overlay.foreign(lambda x: cp.sqrt(x) + 2, framework="cupy",
+                                     result_shape_dtypes=SAME))
+    errors = []
+
+    def worker(t):
+        try:
+            for i in range(100):
+                v = float((t * 100 + i) ** 2)
+                x = jnp.full(4096, v, jnp.float32)
+                f, add = (ft, 1) if (t + i) % 2 else (fc, 2)
+                got = np.asarray(f(x))
+                if not (got == np.sqrt(v) + add).all():
+                    errors.append((t, i, got[:3]))
+        except Exception as e:  # noqa: BLE001
+            errors.append((t, repr(e)))
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[:5]
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy", "numba"])
+def test_a_kept_view_is_detected(framework):
+    if framework == "torch":
+        _torch()
+    if framework == "numba":
+        _numba_cuda()
+    kept = []
+
+    def fn(x, out):
+        kept.append(x[1:])  # a view of XLA's input buffer, past the call
+        out[:] = x[:]
+    f = jax_overlay.foreign(fn, framework=framework, result_shape_dtypes=SAME, out=True)
+    with pytest.raises(Exception, match="kept a view"):
+        f(jnp.ones(8)).block_until_ready()
+    kept.clear()
+
+    def copies(x, out):
+        kept.append({"torch": lambda: x.clone(), "cupy": lambda: x.copy(),
+                     "numba": lambda: x.copy_to_host()}[framework]())
+        out[:] = x[:]
+    g = jax_overlay.foreign(copies, framework=framework, result_shape_dtypes=SAME, out=True)
+    np.testing.assert_array_equal(np.asarray(g(jnp.ones(8))), 1)
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_errors_reach_the_caller(framework):
+    if framework == "torch":
+        _torch()
+
+    def boom(x):
+        raise ValueError("boom in fn")
+    with pytest.raises(Exception, match="raised ValueError: boom in fn"):
+        jax.jit(jax_overlay.foreign(boom, framework=framework, result_shape_dtypes=SAME))(
+            jnp.ones(3)).block_until_ready()
+    short = jax_overlay.foreign(lambda x: x[:2], framework=framework, result_shape_dtypes=SAME)
+    with pytest.raises(Exception, match=r"output 0 .* float32\[2\], but result_shape_dtypes says float32\[3\]"):
+        short(jnp.ones(3)).block_until_ready()
+    wrong = jax_overlay.foreign(lambda x: np.ones(3, np.float32), framework=framework,
+                                result_shape_dtypes=SAME)
+    with pytest.raises(Exception, match="is a ndarray"):
+        wrong(jnp.ones(3)).block_until_ready()
+    # The process still works after each.
+    ok = jax_overlay.foreign(lambda x: x + 1, framework=framework, result_shape_dtypes=SAME)
+    np.testing.assert_array_equal(np.asarray(ok(jnp.ones(3))), 2)
+
+
+def test_pinned_and_cpu_inputs_are_refused_with_what_to_do():
+    _torch()
+    f = jax_overlay.foreign(lambda x: x, framework="torch", result_shape_dtypes=SAME)
+    dev = jax.devices()[0]
+    pinned = jax.device_put(jnp.ones(4), jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    with pytest.raises(ValueError, match="pinned host memory.*with_memory_kind"):
+        f(pinned)
+    with pytest.raises(ValueError, match="input 0 is on cpu"):
+        f(jax.device_put(jnp.ones(4), jax.devices("cpu")[0]))
