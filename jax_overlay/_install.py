@@ -30,6 +30,7 @@ from . import _dlpack
 from . import _exports
 from . import _imports
 from . import _runtime as rt
+from . import _xla_ext as ext
 from ._config import config
 from ._errors import CopyRequiredError, JaxRuntimeError, like_stock
 
@@ -57,15 +58,39 @@ def _foreign(obj, copy, stock_error):
     except (BufferError, TypeError, ValueError) as e:
         raise like_stock(e, stock_error) from e.__cause__
     if hit is not None and hit[0].sharding.memory_kind == "pinned_host":
-        # Pinned host memory (PyTorch's pin_memory() tensors): stock JAX
-        # reads it as a host array (NumPy's rules: 64-bit data narrows in
-        # 32-bit mode) into device memory.  The same result, but read in
-        # order after the producer's work.
-        view, _ = hit
+        view, copied = hit
+        if not copied and hasattr(obj, "__cuda_array_interface__"):
+            # Stock JAX imports a CAI of pinned memory (Numba's mapped
+            # arrays) as a device array over the same pages: so do we, from
+            # the zero-copy view only (a copy may still be in flight on a
+            # transfer stream that a raw alias would not wait for).
+            alias = _device_alias(view)
+            if alias is not None:
+                return alias, False
+        # Pinned host memory without a CAI (PyTorch's pin_memory()
+        # tensors): stock JAX reads it as a host array (NumPy's rules:
+        # 64-bit data narrows in 32-bit mode) into device memory.  The same
+        # result, but read in order after the producer's work.
         moved = rt.device_put(view, rt.memory_sharding(next(iter(view.devices())), "device"))
         canonical = rt.canonical(moved.dtype)
         return (moved if canonical == moved.dtype else moved.astype(canonical)), True
     return hit
+
+
+def _device_alias(view):
+    """A device-memory array over the pinned pages of `view`, zero-copy:
+    under unified addressing the host pointer of pinned memory is its
+    device pointer.  The capsule holds `view`, and `view` the producer, as
+    long as JAX holds the alias.  None where a device view is not allowed
+    (jaxlib needs 16-byte aligned device pointers)."""
+    ptr = view.unsafe_buffer_pointer()
+    if ptr % 16:
+        return None
+    device = next(iter(view.devices()))
+    cap = ext.raw_capsule(view, ptr, list(view.shape), None,
+                          _exports._dl_dtype(view.dtype), _dlpack.KDLCUDA,
+                          device.local_hardware_id)
+    return _imports.import_view(cap, device, None, _dlpack.KDLCUDA)
 
 
 def _platform(device):

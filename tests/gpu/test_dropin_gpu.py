@@ -226,3 +226,48 @@ def test_cupy_in_flight_on_its_current_user_stream(entry, installed):
             x = f(a)
         stale += int(float(np.asarray(x[-1])) != k + 1)
     assert stale == 0
+
+
+class PinnedCAI:
+    """A CAI over pinned host memory, as Numba's mapped arrays export it."""
+
+    def __init__(self, values):
+        self.mem = cp.cuda.alloc_pinned_memory(values.nbytes)
+        self.host = np.frombuffer(self.mem, values.dtype, values.size).reshape(values.shape)
+        self.host[...] = values
+        self.__cuda_array_interface__ = {
+            "shape": values.shape, "typestr": values.dtype.str, "strides": None,
+            "data": (self.host.ctypes.data, False), "version": 3, "stream": None}
+
+
+@pytest.mark.parametrize("entry", ["jnp.asarray", "jnp.array"])
+def test_pinned_cai_imports_as_stock_does(entry):
+    """Stock JAX's CAI import of pinned memory is a device array over the
+    same pages (zero-copy for asarray); installed, the same, and it holds
+    the producer alive."""
+    import gc
+    import weakref
+    vals = np.arange(4096, dtype=np.float32)
+    f = ENTRIES[entry]  # looked up at call time: install() replaces them
+    seen = {}
+    for mode in ("stock", "installed"):
+        if mode == "installed":
+            jax_overlay.install()
+        try:
+            src = PinnedCAI(vals)
+            x = f(src)
+            seen[mode] = (x.dtype, x.shape, x.sharding.memory_kind, x.devices(),
+                          x.unsafe_buffer_pointer() == src.host.ctypes.data)
+            if mode == "installed":
+                assert seen[mode] == seen["stock"]
+                held = weakref.ref(src)
+                del src
+                gc.collect()
+                if entry == "jnp.asarray":  # a view: it must hold the producer
+                    assert held() is not None, "the import does not hold the producer"
+                churn = [PinnedCAI(-vals) for _ in range(8)]  # noqa: F841 - would reuse freed pages
+                np.testing.assert_array_equal(np.asarray(x), vals)
+        finally:
+            jax_overlay.uninstall()
+    assert seen["installed"] == seen["stock"]
+    assert seen["stock"][-1] == (entry == "jnp.asarray")
