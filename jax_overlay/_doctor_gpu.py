@@ -186,6 +186,47 @@ def _numba_consumer(protocol):
     return convert, _cai_ptr, lambda d: d.copy_to_host(), minmax
 
 
+def _torch_cpu_consumer(protocol):
+    """PyTorch refuses kDLCUDAHost, even its own pinned tensors: a
+    pinned_host array reaches it as a CPU tensor of the same memory, through
+    a kDLCPU capsule (dl_device=(1, 0)), which waits for a pending write."""
+    torch = _torch()
+    return (lambda x: torch.from_dlpack(x.__dlpack__(dl_device=(1, 0))), lambda t: t.data_ptr(),
+            lambda t: t.numpy(), None)
+
+
+def _numba_kernel_consumer(protocol):
+    """A @cuda.jit kernel given the JAX array itself: Numba types the
+    argument through its protocols and launches on its default stream."""
+    cuda = _numba()
+    try:
+        kernel = _numba_copy_kernel(cuda)
+    except AttributeError as e:  # numba-cuda's own NumPy incompatibility
+        raise Skip(f"this numba-cuda cannot compile kernels under NumPy {np.__version__} ({e})") from e
+
+    def run(x):  # x: the row's JAX array of N float32, behind its protocol
+        out = cuda.device_array(N, np.float32)
+        kernel[(N + 255) // 256, 256](x, out)
+        return out
+
+    def minmax(d):
+        h = d.copy_to_host()
+        return float(h.min()), float(h.max())
+    # The kernel writes its own output: no pointer to compare (zero-copy n/a).
+    return run, lambda d: None, lambda d: d.copy_to_host(), minmax
+
+
+@functools.cache
+def _numba_copy_kernel(cuda):
+    @cuda.jit
+    def copy(src, dst):
+        i = cuda.grid(1)
+        if i < src.size:
+            dst[i] = src[i]
+    copy[1, 32](cuda.to_device(np.ones(4, np.float32)), cuda.device_array(4, np.float32))
+    return copy
+
+
 def _numpy_consumer(protocol):
     return (lambda o: np.from_dlpack(o, device="cpu"), lambda a: a.ctypes.data, np.asarray, None)
 
@@ -227,9 +268,12 @@ EXPORT_CALLS = {
     ("PyTorch", "DLPack"): "torch.from_dlpack(x)",
     ("Numba", "CAI"): "numba.cuda.as_cuda_array(x)", ("Numba", "DLPack"): "numba.cuda.from_dlpack(x)",
     ("NumPy", "DLPack"): 'np.from_dlpack(x, device="cpu")',
+    ("PyTorch CPU", "DLPack"): "torch.from_dlpack(x.__dlpack__(dl_device=(1, 0)))",
+    ("Numba kernel", "CAI"): "kernel[blocks, threads](x, out)",
 }
 CONSUMERS = {"CuPy": _cupy_consumer, "PyTorch": _torch_consumer, "Numba": _numba_consumer,
-             "NumPy": _numpy_consumer}
+             "NumPy": _numpy_consumer, "PyTorch CPU": _torch_cpu_consumer,
+             "Numba kernel": _numba_kernel_consumer}
 
 
 def _export_row(peer, protocol, memory, expect):
@@ -264,5 +308,7 @@ def rows():
             _export_row("Numba", "DLPack 1.x", "device", None),
             _export_row("NumPy", "DLPack 1.x", "pinned", Expect()),
             _export_row("CuPy", "CAI", "pinned", Expect()),
-            _export_row("PyTorch", "DLPack 1.x", "pinned", None)]
+            _export_row("Numba kernel", "CAI", "device", Expect(zero_copy=None, stream_safe=True)),
+            _export_row("PyTorch", "DLPack 1.x", "pinned", None),
+            _export_row("PyTorch CPU", "DLPack 1.x", "pinned", Expect())]
     return out

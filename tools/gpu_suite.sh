@@ -4,6 +4,12 @@
 # doctor (DOCTOR=0 skips it), then the named benchmarks.  Logs and JSON go to
 # $OUT (default ./gpu-out).
 #   bash tools/gpu_suite.sh [TESTS...] [-- BENCH.py ...]
+# NUMBA_NUMPY_WHEEL=numpy-X.whl: numba-cuda 0.30 cannot compile kernels under
+# NumPy >= 2.5 (np.row_stack is gone), so the Numba tests are run a second
+# time, and the doctor, with that NumPy first on the path (installed with
+# --target, no registry needed).  Fetch it where a registry is reachable:
+#   pip download numpy==2.4.6 --no-deps --only-binary=:all: \
+#     --platform manylinux_2_28_x86_64 --python-version 3.12 -d build/wheels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -34,9 +40,18 @@ rc=0
 timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -q -rs -p no:cacheprovider --durations=12 \
   "${tests[@]}" 2>&1 | tee "$OUT/pytest.log" | tail -n 60
 rc=${PIPESTATUS[0]}
+NUMBA_PATH=
+if [ -n "${NUMBA_NUMPY_WHEEL:-}" ]; then
+  NUMBA_PATH=$(mktemp -d)/numpy
+  "$PY" -m pip install -q --no-deps --no-index --target "$NUMBA_PATH" "$NUMBA_NUMPY_WHEEL" || exit 1
+  echo "== the Numba tests again, NumPy $(PYTHONPATH=$NUMBA_PATH "$PY" -c 'import numpy; print(numpy.__version__)')"
+  PYTHONPATH=$NUMBA_PATH:$PYTHONPATH timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -q -rs \
+    -p no:cacheprovider -k numba "${tests[@]}" 2>&1 | tee "$OUT/pytest-numba.log" | tail -n 20
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
 if [ "${DOCTOR:-1}" != 0 ]; then  # the README's main command, on this machine
   echo "== doctor"
-  timeout "${DOCTOR_TIMEOUT:-300}" "$PY" -m jax_overlay doctor --plain --json-file "$OUT/doctor.json" \
+  PYTHONPATH=${NUMBA_PATH:+$NUMBA_PATH:}$PYTHONPATH timeout "${DOCTOR_TIMEOUT:-300}" "$PY" -m jax_overlay doctor --plain --json-file "$OUT/doctor.json" \
     2>"$OUT/doctor.err" | tee "$OUT/doctor.txt"
   echo "doctor exit status ${PIPESTATUS[0]}"
 fi

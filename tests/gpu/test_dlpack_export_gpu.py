@@ -198,3 +198,31 @@ def test_pending_export_blocks_donation_while_held():
     assert not x.is_deleted(), "a buffer a consumer holds must not be donated"
     assert pending, "the array was ready before the export: the test proves nothing"
     assert t.min().item() == 4.0
+
+
+def test_pinned_jax_array_in_flight_reaches_torch_as_a_cpu_view():
+    """The supported way from a pinned_host JAX array to PyTorch, which
+    refuses kDLCUDAHost: ask for a kDLCPU capsule of the same memory.  The
+    host reads it, so the export waits for a copy into it still running;
+    the capsule holds the JAX array, so the tensor outlives it."""
+    torch = _torch()
+    pinned = jax.sharding.SingleDeviceSharding(GPU, memory_kind="pinned_host")
+    n = 1 << 16
+    stale = pending = 0
+    for k in range(1, TRIALS + 1):
+        x = jax.device_put(jax_fill(float(k), n=n), pinned)
+        pending += not x.is_ready()
+        t = torch.from_dlpack(x.__dlpack__(dl_device=(1, 0)))
+        assert t.device.type == "cpu" and t.data_ptr() == x.unsafe_buffer_pointer()
+        stale += not bool((t == k).all())
+    assert pending > TRIALS // 2, "the copy into pinned memory was done before the export"
+    assert stale == 0, f"{stale} of {TRIALS} PyTorch CPU views read before the copy finished"
+    jax_overlay.uninstall()  # the explicit function, no install() needed
+    x = jax.device_put(jnp.arange(n, dtype=jnp.float32), pinned)
+    t = torch.from_dlpack(jax_overlay.to_dlpack(x, dl_device=(1, 0)))
+    ptr = x.unsafe_buffer_pointer()
+    del x
+    churn = [jax.device_put(jnp.full(n, -1.0), pinned) for _ in range(20)]
+    jax.block_until_ready(churn)
+    assert t.data_ptr() == ptr
+    np.testing.assert_array_equal(t.numpy(), np.arange(n))
