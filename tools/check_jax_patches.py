@@ -97,6 +97,9 @@ class Patch:
         self.files = re.findall(r"^diff --git a/\S+ b/(\S+)$", text, re.M)
         self.jax_files = [f for f in self.files if f.startswith("jax/")]
         self.other_files = [f for f in self.files if not f.startswith("jax/")]
+        # The jaxlib_extension_version gates its Python adds (jax's tests aside).
+        self.gates = sorted({int(g) for g in re.findall(
+            r"^\+(?!\s*@unittest).*jaxlib_extension_version\s*>=\s*(\d+)", text, re.M)})
 
     def title(self):
         return f"{self.number} {self.subject}"
@@ -267,8 +270,14 @@ if path:
     m = re.search(r"^_git_hash[^=]*= *'([0-9a-f]+)'",
                   open(os.path.join(path, "version.py")).read(), re.M)
     git_hash = m and m.group(1)
+ext = None
+lib = importlib.util.find_spec("jaxlib")
+if lib and lib.origin:
+    m = re.search(r"^_version *= *(\d+)",
+                  open(os.path.join(os.path.dirname(lib.origin), "xla_client.py")).read(), re.M)
+    ext = m and int(m.group(1))
 print(json.dumps({"version": importlib.metadata.version("jax") if path else None,
-                  "path": path, "git_hash": git_hash}))
+                  "path": path, "git_hash": git_hash, "extension": ext}))
 """
 
 
@@ -277,9 +286,10 @@ def installed_jax(python):
     return json.loads(must([python, "-c", _PROBE]))
 
 
-def run_checks(python, copy, junit):
+def run_checks(python, copy, junit, gates):
     env = dict(os.environ, PYTHONPATH=str(copy), JAX_PATCHED_COPY=str(copy),
-               JAX_PLATFORMS="cpu")
+               JAX_PLATFORMS="cpu",
+               JAX_PATCH_GATES=",".join(f"{n}={g}" for n, g in gates.items()))
     env.pop("PYTHONSAFEPATH", None)
     r = run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
              f"--junitxml={junit}", str(CHECKS)], cwd=ROOT, env=env)
@@ -301,22 +311,38 @@ def check_wheel(python, patch_dir, keep, baseline, skip_if_mismatch):
     base = read_base(patch_dir)
     patches = load_patches(patch_dir)
     info = installed_jax(python)
-    if info["version"] != base["version"]:
+    # The release whose wheel the Python hunks are checked against: BASE's
+    # own, or (`wheel X.Y.Z`, a series on an untagged commit) the release
+    # nearest it.
+    release = base.get("wheel", base["version"])
+    if info["version"] != release:
         why = (f"{python} has jax {info['version']}, but the patch series is "
-               f"based on jax {base['version']}: install jax=={base['version']} "
-               f"and jaxlib=={base['version']} to check it")
+               f"checked against jax {release}: install jax=={release} "
+               f"and jaxlib=={release} to check it")
         if skip_if_mismatch:
             print(f"SKIPPED: {why}")
             return 0
         print(f"error: {why}", file=sys.stderr)
         return 2
-    if info["git_hash"] and info["git_hash"] != base["commit"]:
+    if "wheel" not in base and info["git_hash"] and info["git_hash"] != base["commit"]:
         print(f"error: {info['path']} was built from {info['git_hash']}, "
               f"not BASE {base['commit']}", file=sys.stderr)
         return 2
     print(f"jax patch series: {len(patches)} patches; BASE jax {base['version']} "
-          f"({base['commit'][:12]}); wheel {info['path']} ({python})"
+          f"({base['commit'][:12]}); wheel {info['path']} (jax {release}, {python})"
           + ("; BASELINE: hunks not applied" if baseline else ""))
+    gates = {p.number: p.gates[0] for p in patches if p.gates}
+    lowest = min(gates.values(), default=None)
+    collides = lowest is not None and (info.get("extension") or 0) >= lowest
+    if collides:
+        # A stock jaxlib whose extension version already reaches the
+        # series' gates (upstream numbered past them) would turn on gated
+        # Python that calls C++ it lacks.  The copy is checked as a stock
+        # jaxlib below the gates runs it: the version jax reads is held
+        # under the lowest gate, in the copy only.
+        print(f"  stock jaxlib extension version {info['extension']} reaches the series' "
+              f"gates ({', '.join(f'{n}: {g}' for n, g in gates.items())}): the copy "
+              f"reads {lowest - 1}, as a stock jaxlib below the gates")
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="check-jax-wheel-"))
     # `git apply` must not find a repository around the copy.
@@ -326,6 +352,11 @@ def check_wheel(python, patch_dir, keep, baseline, skip_if_mismatch):
         copy = tmp / "site"
         shutil.copytree(info["path"], copy / "jax",
                         ignore=shutil.ignore_patterns("__pycache__"))
+        if collides:
+            lib = copy / "jax" / "_src" / "lib" / "__init__.py"
+            lib.write_text(lib.read_text() + (
+                "\n# tools/check_jax_patches.py: held under the patch series' gates.\n"
+                f"jaxlib_extension_version = min(jaxlib_extension_version, {lowest - 1})\n"))
         patched = []
         status = {}
         for p in patches:
@@ -359,7 +390,7 @@ def check_wheel(python, patch_dir, keep, baseline, skip_if_mismatch):
               f"({', '.join(modules)}): " + ("ok" if imported else
                                               "FAILED\n" + r.stderr + r.stdout))
 
-        r, results = run_checks(python, copy, tmp / "junit.xml")
+        r, results = run_checks(python, copy, tmp / "junit.xml", gates)
         if not results:
             ok = False
             print("  the checks did not run:\n" + r.stdout[-3000:] + r.stderr[-3000:])
