@@ -9,6 +9,8 @@ import functools
 import cupy as cp
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 # The kernel, the PyTorch sleep and the busy JAX computation live in the
 # package, which the doctor ships; the suite and the benchmarks share them.
@@ -58,3 +60,24 @@ def jax_fill_many_kernels(k, *, kernels=40):
     """Like jax_fill, but a chain of `kernels` separate kernel launches, so
     an ordering that captures only the launches enqueued so far reads early."""
     return _jax_many(float(k), seed(), kernels)
+
+
+def numba_double():
+    """(numba.cuda, a compiled @cuda.jit kernel dst = 2 * src); skipped with
+    the reason where this numba-cuda cannot compile kernels (under NumPy
+    >= 2.5: tools/gpu_suite.sh reruns the Numba tests with a NumPy it
+    supports)."""
+    cuda = pytest.importorskip("numba.cuda")
+    try:
+        @cuda.jit
+        def double(src, dst):
+            i = cuda.grid(1)
+            if i < src.size:
+                dst[i] = src[i] * 2
+        double[1, 32](cuda.to_device(np.ones(4, np.float32)), cuda.device_array(4, np.float32))
+    except AttributeError as e:
+        if "row_stack" in str(e):
+            pytest.skip(f"this numba-cuda cannot compile kernels under NumPy {np.__version__}: {e} "
+                        "(tools/gpu_suite.sh reruns these with a NumPy it supports)")
+        raise
+    return cuda, double

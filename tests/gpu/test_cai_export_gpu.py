@@ -13,7 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 import jax_overlay  # noqa: E402
 from jax_overlay import config  # noqa: E402
 
-from producers import JAX_N as N, jax_fill  # noqa: E402
+from producers import JAX_N as N, jax_fill, numba_double  # noqa: E402
 
 TRIALS = 50
 
@@ -101,27 +101,8 @@ def test_numba_as_cuda_array_reads_inflight_arrays_correctly():
     assert stale == 0
 
 
-def _numba_double():
-    """A @cuda.jit kernel dst = 2 * src, compiled; skipped with the reason
-    where this numba-cuda cannot compile (tools/gpu_suite.sh reruns the
-    Numba tests with a NumPy it supports)."""
-    cuda = pytest.importorskip("numba.cuda")
-    try:
-        @cuda.jit
-        def double(src, dst):
-            i = cuda.grid(1)
-            if i < src.size:
-                dst[i] = src[i] * 2
-        double[1, 32](cuda.to_device(np.ones(4, np.float32)), cuda.device_array(4, np.float32))
-    except AttributeError as e:
-        if "row_stack" in str(e):
-            pytest.skip(f"this numba-cuda cannot compile kernels under NumPy {np.__version__}: {e}")
-        raise
-    return cuda, double
-
-
 def test_numba_kernel_takes_jax_array():
-    cuda, double = _numba_double()
+    cuda, double = numba_double()
     x = jax_fill(5.0)
     out = cuda.device_array(N, np.float32)
     double[N // 256, 256](x, out)
@@ -133,7 +114,7 @@ def test_numba_kernel_reads_inflight_jax_arrays():
     """A kernel launched on a JAX array whose computation is still running
     reads its final values: Numba orders its launch after the stream of
     the version-3 CAI export."""
-    cuda, double = _numba_double()
+    cuda, double = numba_double()
     out = cuda.device_array(N, np.float32)
 
     def read(x):

@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import jax_overlay  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
 
-from producers import jax_fill  # noqa: E402
+from producers import jax_fill, numba_double  # noqa: E402
 
 TRIALS = 1000
 N = 1 << 16
@@ -31,23 +31,6 @@ SAME = lambda *xs: xs[0]  # noqa: E731
 
 def _torch():
     return pytest.importorskip("torch")
-
-
-def _numba_cuda():
-    cuda = pytest.importorskip("numba.cuda")
-    try:
-        @cuda.jit
-        def double(src, dst):
-            i = cuda.grid(1)
-            if i < src.size:
-                dst[i] = src[i] * 2
-        double[1, 32](cuda.to_device(np.ones(4, np.float32)), cuda.device_array(4, np.float32))
-    except AttributeError as e:
-        if "row_stack" in str(e):
-            pytest.skip(f"this numba-cuda cannot compile kernels under NumPy {np.__version__}: {e} "
-                        "(tools/gpu_suite.sh reruns these with a NumPy it supports)")
-        raise
-    return cuda, double
 
 
 def _handle(numba_stream):
@@ -116,7 +99,7 @@ def test_cupy_in_flight_inputs_read_on_xlas_stream():
 def test_numba_kernel_in_flight_inputs(launch):
     """A kernel launched on jax_overlay.foreign_stream(), or on Numba's
     default stream (fenced with events before and after fn)."""
-    cuda, double = _numba_cuda()
+    cuda, double = numba_double()
     busy = [0]
 
     def fn(x, out):
@@ -134,7 +117,7 @@ def test_numba_kernel_in_flight_inputs(launch):
 
 
 def test_numba_returned_device_array_is_copied_on_xlas_stream():
-    cuda, double = _numba_cuda()
+    cuda, double = numba_double()
 
     def fn(x):
         out = cuda.device_array(x.shape, x.dtype, stream=jax_overlay.foreign_stream())
@@ -238,7 +221,7 @@ def test_a_kept_view_is_detected(framework):
     if framework == "torch":
         _torch()
     if framework == "numba":
-        _numba_cuda()
+        numba_double()
     kept = []
 
     def fn(x, out):
