@@ -16,17 +16,26 @@ what happened and the command that fixes it, when
 
 A jaxlib inside the range that differs from the one installed at build time
 (``JAXLIB_AT_BUILD``) is fine: nothing of jaxlib is compiled in.
+
+A source checkout with no build of its own takes the native module that
+``pip install .`` of that same checkout installed (see installed_build):
+the README's ``pip install ".[test]"`` then ``python -m jax_overlay doctor``
+run in the checkout, where Python imports the checkout's package first.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.metadata
+import importlib.util
+import json
 import os
 import pathlib
 import re
 import shlex
 import sys
+import urllib.parse
 import warnings
 from types import ModuleType
 
@@ -79,14 +88,63 @@ def _unloadable(e: ImportError) -> ImportError:
         f"To fix it, {fix(force=True)}.", name=MODULE, path=e.path)
 
 
+def installed_build(root: pathlib.Path) -> pathlib.Path | None:
+    """For the source checkout `root` with no build of its own: the native
+    module that ``pip install .`` of this very checkout installed for this
+    Python (pip's direct_url.json names the directory), as after the
+    README's ``pip install ".[test]"`` and ``python -m jax_overlay doctor``
+    in the checkout, which imports the checkout's package first.  None when
+    there is none."""
+    names = {"_xla_ext" + s for s in importlib.machinery.EXTENSION_SUFFIXES}
+    for dist in importlib.metadata.distributions(name="jax_overlay"):
+        try:
+            url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+        except ValueError:
+            continue
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme != "file" or not parsed.path:
+            continue
+        if pathlib.Path(urllib.parse.unquote(parsed.path)).resolve() != root.resolve():
+            continue
+        for f in dist.files or ():
+            if f.name in names and f.parent.name == "jax_overlay":
+                path = pathlib.Path(str(dist.locate_file(f))).resolve()
+                if path.is_file() and path.parent != _PACKAGE_DIR:
+                    return path
+    return None
+
+
+def _load_from(path: pathlib.Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    assert spec is not None and spec.loader is not None
+    ext = importlib.util.module_from_spec(spec)
+    sys.modules[MODULE] = ext
+    try:
+        spec.loader.exec_module(ext)
+    except BaseException:
+        del sys.modules[MODULE]
+        raise
+    setattr(sys.modules[__package__], "_xla_ext", ext)
+    return ext
+
+
 def load() -> ModuleType:
-    """The native module, or ImportError saying how to build it."""
+    """The native module, or ImportError saying how to build it.  A
+    checkout without a build of its own uses an installed one of the same
+    version, which check_build() then verifies like any other."""
     try:
         ext = importlib.import_module(MODULE)
     except ModuleNotFoundError as e:
         if e.name != MODULE:
             raise
-        raise _missing() from None
+        root = checkout()
+        installed = installed_build(root) if root is not None else None
+        if installed is None:
+            raise _missing() from None
+        try:
+            ext = _load_from(installed)
+        except ImportError as e:
+            raise _unloadable(e) from e
     except ImportError as e:
         raise _unloadable(e) from e
     return ext

@@ -9,6 +9,7 @@ import ast
 import importlib.machinery
 import importlib.metadata
 import inspect
+import json
 import os
 import pathlib
 import re
@@ -389,3 +390,53 @@ def test_public_config_is_annotated():
     assert set(vars(jax_overlay.config)) <= set(hints)
     for attr, value in vars(jax_overlay.config).items():
         assert isinstance(value, hints[attr]), attr
+
+
+def _fake_install(site, native, checkout_root):
+    """jax_overlay as `pip install CHECKOUT` leaves it in `site`: the native
+    module, and a dist-info whose RECORD lists it and whose direct_url.json
+    names the checkout."""
+    name = f"_xla_ext{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    (site / "jax_overlay").mkdir(parents=True)
+    shutil.copy(native, site / "jax_overlay" / name)
+    info = site / f"jax_overlay-{jax_overlay.__version__}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: jax_overlay\nVersion: {jax_overlay.__version__}\n")
+    (info / "RECORD").write_text(f"jax_overlay/{name},,\n")
+    (info / "direct_url.json").write_text(json.dumps(
+        {"url": checkout_root.resolve().as_uri(), "dir_info": {}}))
+    return site / "jax_overlay" / name
+
+
+def _run_in(cwd, path, code):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, path)), JAX_PLATFORMS="cpu")
+    env.pop("PYTHONSAFEPATH", None)
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("same_checkout", [True, False])
+def test_a_checkout_without_a_build_uses_its_own_installed_one(tmp_path, same_checkout):
+    """`pip install .` then `python -m jax_overlay doctor` in the checkout:
+    the checkout's package is imported first, with no build of its own; it
+    takes the native module pip installed from this checkout, and only
+    that (another checkout's install still gets the build command)."""
+    root = tmp_path / "checkout"
+    root.mkdir()
+    _stage(root, checkout=True)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    installed = _fake_install(tmp_path / "site", ext.__file__, root if same_checkout else other)
+    r = _run_in(root, [root, tmp_path / "site"],
+                "import jax_overlay, jax_overlay._xla_ext as m, jax_overlay._exports as e\n"
+                "print(m.__file__); print(e.ext is m); print(jax_overlay.__file__)")
+    if same_checkout:
+        assert r.returncode == 0, r.stderr[-3000:]
+        native, same, package = r.stdout.split()
+        assert pathlib.Path(native).resolve() == installed.resolve()
+        assert same == "True"
+        assert pathlib.Path(package).resolve() == (root / "jax_overlay" / "__init__.py").resolve()
+    else:
+        assert r.returncode != 0
+        assert "is not built for this Python" in r.stderr and "build_ext --inplace" in r.stderr
