@@ -225,9 +225,13 @@ class _Numba(_Gpu):
             # Work fn puts on the default stream runs after XLA's work
             # before the call, and XLA's work after the call runs after it.
             ext.order_after(ordinal, xla, self.default)
-            with _current(stream):
-                yield stream
-            ext.order_after(ordinal, self.default, xla)
+            try:
+                with _current(stream):
+                    yield stream
+            finally:
+                # Also when fn raised: a kernel it launched may still write
+                # into XLA's buffers, which XLA must not reuse before it ends.
+                ext.order_after(ordinal, self.default, xla)
 
     def np_dtype(self, view):
         return view.dtype
