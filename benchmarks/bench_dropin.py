@@ -13,7 +13,7 @@ idle (producer stream empty) and in flight (a 0.2 ms kernel enqueued on the
 producer's current stream just before each call, outside the timer: stock's
 DLPack import waits for it on the host, ours never does).  Exports: CuPy
 and PyTorch reading a ready JAX array through __cuda_array_interface__ and
-__dlpack__.
+__dlpack__, and Numba through __cuda_array_interface__.
 
     python benchmarks/bench_dropin.py [--rounds 15] [--calls 200] [--out DIR]
 """
@@ -101,6 +101,11 @@ def cases(src):
     out["export cupy.from_dlpack"] = ("idle", cp.from_dlpack, x, None)
     out["export torch.from_dlpack"] = ("idle", torch.from_dlpack, x, None)
     out["export torch.as_tensor (CAI)"] = ("idle", lambda v: torch.as_tensor(v, device="cuda"), x, None)
+    try:  # Numba reads the CAI (its device arrays have no DLPack import here)
+        from numba import cuda
+        out["export numba.cuda.as_cuda_array (CAI)"] = ("idle", cuda.as_cuda_array, x, None)
+    except ImportError:
+        pass
     return out
 
 

@@ -1,7 +1,7 @@
 """The drop-in rule on the GPU, differentially (tests/dropin.py): every entry
-point x CuPy and PyTorch producers x dtype x layout x copy x device, on
-stock JAX and installed in one process, each result also checked against
-the producer's own values; the exports read by CuPy and PyTorch; and the
+point x CuPy, PyTorch and Numba producers x dtype x layout x copy x device,
+on stock JAX and installed in one process, each result also checked against
+the producer's own values; the exports read by CuPy, PyTorch and Numba; and the
 routes install() takes (CAI where it gives the same array, DLPack else),
 with in-flight producers on PyTorch's and CuPy's current streams."""
 
@@ -100,6 +100,44 @@ def test_torch_imports_match_stock(name):
     _torch().cuda.synchronize()
 
 
+NUMBA_LAYOUTS = ("aligned", "unaligned", "strided", "transposed", "empty", "mapped", "managed")
+
+
+def _numba_producers(dtype):
+    """{layout: (factory, the producer's values on the host)}: Numba device
+    arrays and their views, and mapped (pinned) and managed arrays, which
+    export the CUDA Array Interface only.  The values come from the host
+    data in the same layout, not through Numba's own copies."""
+    cuda = pytest.importorskip("numba.cuda")
+    host = D.values((8, 16), dtype)
+    views = {"aligned": lambda a: a, "unaligned": lambda a: a.reshape(-1)[1:],
+             "strided": lambda a: a[:, ::2], "transposed": lambda a: a.T,
+             "empty": lambda a: a[:0]}
+
+    def filled(alloc):
+        def make():
+            m = alloc(host.shape, dtype)
+            m[...] = host  # written by the host: no producer stream
+            return m
+        return make
+    out = {name: ((lambda view=view: view(cuda.to_device(host))), view(host))
+           for name, view in views.items()}
+    out["mapped"] = (filled(cuda.mapped_array), host)
+    out["managed"] = (filled(cuda.managed_array), host)
+    return out
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("dtype", CUPY_DTYPES, ids=str)
+def test_numba_imports_match_stock(dtype, x64):
+    cases = []
+    for layout, (make, values) in _numba_producers(dtype).items():
+        cases += D.import_cases(D.IMPORTS, {layout: make}, COORDS,
+                                lambda _, values=values: np.asarray(values))
+    with rt.x64(x64):
+        _check(*D.differential(cases))
+
+
 def _export_cases(dtype):
     torch = _torch()
 
@@ -109,6 +147,12 @@ def _export_cases(dtype):
     yield "cupy.from_dlpack", lambda: cp.asnumpy(cp.from_dlpack(x())), None
     yield "torch.as_tensor (CAI)", lambda: _torch_truth(torch.as_tensor(x(), device="cuda")), None
     yield "torch.from_dlpack", lambda: _torch_truth(torch.from_dlpack(x())), None
+    try:
+        from numba import cuda
+    except ImportError:
+        pass
+    else:
+        yield "numba.cuda.as_cuda_array (CAI)", lambda: cuda.as_cuda_array(x()).copy_to_host(), None
     yield "__dlpack_device__", lambda: x().__dlpack_device__(), None
     yield "hasattr(CAI)", lambda: hasattr(x(), "__cuda_array_interface__"), None
     yield "CAI shape/typestr", lambda: (lambda c: (c["shape"], c["typestr"]))(
