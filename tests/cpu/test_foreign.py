@@ -14,6 +14,8 @@ import pytest
 import jax_overlay
 from jax_overlay import _runtime as rt
 
+from multidevice import check, on, params
+
 CPU = jax.devices("cpu")[0]
 SAME = lambda *xs: xs[0] if len(xs) == 1 else xs  # noqa: E731 - outputs shaped as the inputs
 
@@ -289,3 +291,25 @@ def test_integer_inputs_get_float0_cotangents():
     gx, gn = jax.grad(lambda x, n: f(x, n).sum(), argnums=(0, 1), allow_int=True)(
         on_cpu(jnp.ones(3)), on_cpu(jnp.arange(3)))
     assert gn.dtype == jax.dtypes.float0
+
+
+# --- several devices (a subprocess with N CPU devices: multidevice.py) -------
+
+@on(2)
+def case_sharded_input_is_refused_one_device_input_runs_there(n):
+    cpus = jax.devices("cpu")[:n]
+    mesh = jax.sharding.Mesh(np.array(cpus), ("x",))
+    sharded = jax.device_put(jnp.arange(8.0, dtype=jnp.float32),
+                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+    f = numpy_fn(lambda x: x * 2)
+    with pytest.raises(ValueError, match=f"input 0 is sharded over {n} devices.*shard_map"):
+        f(sharded)
+    last = jax.device_put(jnp.arange(4.0, dtype=jnp.float32), cpus[-1])
+    out = f(last)
+    assert out.devices() == {cpus[-1]}
+    np.testing.assert_array_equal(np.asarray(out), np.arange(4.0) * 2)
+
+
+@pytest.mark.parametrize("n,case", params(globals()))
+def test_multidevice(n, case):
+    check(__file__, n, case)
