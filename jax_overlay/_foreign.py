@@ -284,12 +284,12 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
 
     if vjp == "autograd":
         from . import _foreign_gpu
-        backward_fn, vjp_spec = _foreign_gpu.autograd_vjp(fn)
+        backward_fn = _foreign_gpu.autograd_vjp(fn)
     else:
         backward_fn = vjp
 
-        def vjp_spec(*args):
-            return tuple(args[:-1])  # one cotangent per input, shaped as it
+    def vjp_spec(*args):
+        return tuple(args[:-1])  # one cotangent per input, shaped as it
     backward = foreign(backward_fn, framework=framework, result_shape_dtypes=vjp_spec,
                        vmap_method=vmap_method)
 

@@ -302,7 +302,4 @@ def autograd_vjp(fn):
         result = [(grads.pop(0) if d else None) for d in diff]
         result = [torch.zeros_like(t) if g is None else g for t, g in zip(flat, result)]
         return tuple(tree_util.tree_unflatten(tree, result))
-
-    def spec(*args):
-        return tuple(args[:-1])
-    return backward, spec
+    return backward
