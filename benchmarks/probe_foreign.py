@@ -10,12 +10,16 @@ floor.
   --backend gpu  framework "torch" on the GPU (needs PyTorch with CUDA)
 
     python benchmarks/probe_foreign.py [--backend cpu] [--rounds 15] [--calls 300] [--n 1024]
+        [--profile CALLS [--top 30]]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import time
 
@@ -27,6 +31,34 @@ import numpy as np  # noqa: E402
 from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
 
 import jax_overlay  # noqa: E402
+from jax_overlay import _foreign  # noqa: E402
+
+# Time spent inside the Python callback, per case: what the mechanism costs
+# around it is the end-to-end time less this.
+_INSIDE: dict = {}
+_PROFILE: list = []  # a cProfile.Profile while profiling, else empty
+
+
+def _timed(name, cb):
+    def timed(*a):
+        prof = _PROFILE[0] if _PROFILE else None
+        if prof is not None:
+            prof.enable()
+        t0 = time.perf_counter()
+        try:
+            cb(*a)
+        finally:
+            _INSIDE.setdefault(name, []).append(time.perf_counter() - t0)
+            if prof is not None:
+                prof.disable()
+    return timed
+
+
+def _named(name, make):
+    """_foreign._make_callback, its callback timed under `name`."""
+    def make_timed(*a, **k):
+        return _timed(name, make(*a, **k))
+    return make_timed
 
 
 def _cpu_cases(x, spec):
@@ -63,23 +95,32 @@ def main():
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--n", type=int, default=1024)
+    p.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                   help="then profile the foreign callback over CALLS calls")
+    p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
     x = jnp.linspace(-1, 1, args.n, dtype=jnp.float32)
     if args.backend == "cpu":
         x = jax.device_put(x, jax.devices("cpu")[0])
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
     (framework, bare, fn, into), env = (_cpu_cases if args.backend == "cpu" else _gpu_cases)(x, spec)
+    make = _foreign._make_callback
     cases = {
         "jit, no callback": jax.jit(lambda v: v * 2),
-        "bare buffer_callback": jax.jit(buffer_callback(bare, spec)),
+        "bare buffer_callback": jax.jit(buffer_callback(_timed("bare buffer_callback", bare), spec)),
         f"foreign {framework}": jax.jit(jax_overlay.foreign(
             fn, framework=framework, result_shape_dtypes=spec)),
         f"foreign {framework} out=True": jax.jit(jax_overlay.foreign(
             into, framework=framework, result_shape_dtypes=spec, out=True)),
         "pure_callback": jax.jit(lambda v: jax.pure_callback(lambda h: np.asarray(h) * 2, spec, v)),
     }
-    for f in cases.values():
-        np.testing.assert_allclose(np.asarray(f(x)), np.asarray(x) * 2)
+    try:  # the foreign callbacks are made on the first call: time them
+        for k, f in cases.items():
+            _foreign._make_callback = _named(k, make)
+            np.testing.assert_allclose(np.asarray(f(x)), np.asarray(x) * 2)
+    finally:
+        _foreign._make_callback = make
+    _INSIDE.clear()
     per = {k: [] for k in cases}
     names = list(cases)
     for r in range(args.rounds):
@@ -91,11 +132,25 @@ def main():
             per[k].append((time.perf_counter() - t0) / args.calls * 1e6)
     base = per["bare buffer_callback"]
     print(f"# {args.n} float32, {env}, {args.rounds} alternating rounds of {args.calls} calls "
-          "(dispatch to ready)")
-    print(f"{'case':26s} {'us':>8s} {'x bare callback':>16s}")
+          "(dispatch to ready); 'in Python' is the median time inside the callback")
+    print(f"{'case':30s} {'us':>8s} {'x bare callback':>16s} {'in Python us':>13s}")
     for k, ts in per.items():
         ratio = statistics.median(a / b for a, b in zip(ts, base))
-        print(f"{k:26s} {statistics.median(ts):8.1f} {ratio:16.2f}")
+        inside = f"{statistics.median(_INSIDE[k]) * 1e6:13.1f}" if k in _INSIDE else f"{'-':>13s}"
+        print(f"{k:30s} {statistics.median(ts):8.1f} {ratio:16.2f} {inside}")
+    if args.profile:
+        # Where the foreign callback's own time goes (cProfile inflates it;
+        # the shares are what matter).
+        f = cases[f"foreign {framework}"]
+        prof = cProfile.Profile()
+        _PROFILE.append(prof)
+        for _ in range(args.profile):
+            f(x).block_until_ready()
+        _PROFILE.clear()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
+        print(f"# cProfile of {args.profile} calls of foreign {framework}, inside the callback")
+        print(buf.getvalue())
 
 
 if __name__ == "__main__":
