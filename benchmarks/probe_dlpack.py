@@ -25,6 +25,7 @@ from jax_overlay import _dlpack as D  # noqa: E402
 from jax_overlay import _exports as E  # noqa: E402
 from jax_overlay import _runtime as rt  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
+from jax_overlay._streams import cupy_stream  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
 from producers import JAX_N as N, jax_fill, spin_fill  # noqa: E402
@@ -133,7 +134,7 @@ def main():
             torch.cuda._sleep(3_000_000_000)
         return ts, lambda: not ts.query()
 
-    compute_ext = cp.cuda.ExternalStream(compute)
+    compute_ext = cupy_stream(cp, compute)
 
     def cupy_style_sync(timing):
         """What CuPy's __dlpack__ does per call: a new event on its current

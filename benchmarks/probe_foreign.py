@@ -76,10 +76,13 @@ def _gpu_cases(x, spec):
     streams = {}
 
     def bare(ctx, out, a):
+        # As lean as a hand-written callback gets: a cached stream wrapper,
+        # torch.Stream's own C++ `with` (torch.cuda.stream() costs tens of
+        # µs more), XLA's capsules taken as they are (nothing holds them).
         s = streams.get(ctx.stream)
         if s is None:
             s = streams[ctx.stream] = torch.cuda.ExternalStream(ctx.stream)
-        with torch.cuda.stream(s):
+        with s:
             o = torch.utils.dlpack.from_dlpack(out.__dlpack__())
             o.copy_(torch.utils.dlpack.from_dlpack(a.__dlpack__()) * 2)
 

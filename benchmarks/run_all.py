@@ -62,6 +62,7 @@ from jax_overlay import _testing  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
 from jax_overlay import doctor  # noqa: E402
 from jax_overlay._producers import jax_fill, spin_fill, torch_sleep  # noqa: E402
+from jax_overlay._streams import cupy_stream  # noqa: E402
 
 import report  # noqa: E402
 from bench_cai_import import REPEATS, ROUND_MEANS, ROUNDS, median_us  # noqa: E402
@@ -369,7 +370,7 @@ def _numba_in_flight(run):
     if not handle:
         run.errors.append("Numba exported no stream for an array bound to one: no in-flight row")
         return
-    nbusy = CupyBusy(cp.cuda.ExternalStream(handle), "Numba stream")
+    nbusy = CupyBusy(cupy_stream(cp, handle), "Numba stream")
     run.flight("Numba → JAX, CAI", "import", "jax_overlay", "jax_overlay.from_cuda_array_interface(d)",
                jax_overlay.from_cuda_array_interface, lambda: d, nbusy)
 

@@ -169,6 +169,7 @@ class Gpu:
         sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
         import jax_overlay
         from jax_overlay import _runtime
+        from jax_overlay._streams import cupy_stream
         from producers import spin_fill
 
         self.x64 = jax.config.jax_enable_x64
@@ -176,6 +177,7 @@ class Gpu:
         self.cp, self.jax, self.jnp, self.np = cp, jax, jnp, np
         self.ml_dtypes, self.jax_overlay, self.spin_fill = ml_dtypes, jax_overlay, spin_fill
         self.rt = _runtime
+        self.cupy_stream = cupy_stream
         self.have = {"cupy"}
         try:
             import torch
@@ -213,11 +215,11 @@ class Gpu:
             elif lib == "torch":
                 own = self.torch.cuda.Stream()
                 handle = own.cuda_stream
-                cps = cp.cuda.ExternalStream(handle)
+                cps = self.cupy_stream(cp, handle)
             elif lib == "numba":
                 own = self.numba.stream()
                 handle = own.handle.value if hasattr(own.handle, "value") else int(own.handle)
-                cps = cp.cuda.ExternalStream(handle)
+                cps = self.cupy_stream(cp, handle)
             else:
                 own = cps = cp.cuda.Stream(non_blocking=True)
                 handle = cps.ptr
@@ -301,7 +303,7 @@ class Gpu:
         sometimes ran within the dispatch call; a spin kernel ahead of it on
         the same stream cannot.)"""
         if ms > 0:
-            held = self.cp.cuda.ExternalStream(self.rt.compute_stream(self.device))
+            held = self.cupy_stream(self.cp, self.rt.compute_stream(self.device))
             self.spin_fill(self._hold, 0.0, ms=ms, stream=held)
 
     # --- one batch of trials per path ------------------------------------

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _runtime as rt
 from ._producers import jax_fill, spin_fill, torch_sleep
+from ._streams import cupy_stream
 from .doctor import PROTOCOLS, Case, Expect, NotApplicable, Row, Skip, need, need_gpu
 
 N = 1 << 16        # float32 elements of the doctor's arrays (256 KiB)
@@ -146,7 +147,7 @@ def _numba_import(memory, protocol="CAI"):
         case.no_trial = "this Numba exports no stream for an array bound to a stream"
         return case
     alias = cp.asarray(busy)
-    on_s = cp.cuda.ExternalStream(handle)
+    on_s = cupy_stream(cp, handle)
 
     def trial(k):
         spin_fill(alias, float(k), ms=TRIAL_MS, stream=on_s)

@@ -19,12 +19,11 @@ an error that says to copy what is kept.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -58,14 +57,6 @@ def foreign_stream() -> Any:
     return stack[-1]
 
 
-@contextlib.contextmanager
-def _current(stream: Any) -> Iterator[None]:
-    stack = _local.__dict__.setdefault("streams", [])
-    stack.append(stream)
-    try:
-        yield
-    finally:
-        stack.pop()
 
 
 def _spec_leaf(x, where):
@@ -109,10 +100,12 @@ class _NumPy:
                     "there, or put the inputs on the CPU (jax.device_put(x, jax.devices('cpu')[0]))")
         return None
 
-    @contextlib.contextmanager
-    def session(self, ctx, ordinal):
-        with _current(None):
-            yield None
+    def enter(self, ctx, ordinal):
+        """(the stream fn runs on, what exit() needs): nothing for the host."""
+        return None, None
+
+    def exit(self, state):
+        pass
 
     def view(self, b, writeable, tokens):
         v = np.asarray(b)
@@ -171,9 +164,17 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out):
     def callback(ctx, outs, *args):
         ordinal = adapter.ordinal(jax.tree_util.tree_leaves((outs, args)))
         tokens: list = []
+        stack = _local.__dict__.setdefault("streams", [])  # foreign_stream()'s
         try:
-            with adapter.session(ctx, ordinal) as stream:
+            # XLA's stream made the framework's current one, and undone in
+            # every case: this thread goes on running other callbacks.
+            stream, state = adapter.enter(ctx, ordinal)
+            stack.append(stream)
+            try:
                 _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens)
+            finally:
+                stack.pop()
+                adapter.exit(state)
         except ForeignError:
             raise
         except Exception as e:

@@ -19,15 +19,15 @@ alive after the call means ``fn`` kept XLA's memory.
 
 from __future__ import annotations
 
-import contextlib
 import math
+import threading
 import weakref
 
 import numpy as np
 
+from . import _streams
 from . import _xla_ext as ext
-from ._exports import _dl_dtype
-from ._foreign import ForeignError, _current, _mismatch
+from ._foreign import ForeignError, _mismatch
 
 _KDL_CUDA, _KDL_CUDAHOST = 2, 3
 _LEGACY, _PER_THREAD = 1, 2  # the CUDA driver's stream handles
@@ -52,6 +52,24 @@ def _facts(b):
 class _Gpu:
     name = ""
     array_type = ""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def stream(self, handle, ordinal):
+        """This thread's framework stream over XLA's stream `handle`: XLA
+        keeps its streams, so one wrapper each, made on first use.  Per
+        thread, because a stream object may keep the state of its own
+        ``with`` (PyTorch's does)."""
+        streams = self._local.__dict__.setdefault("streams", {})
+        key = (handle, ordinal)
+        stream = streams.get(key)
+        if stream is None:
+            stream = streams[key] = self.wrap(handle, ordinal)
+        return stream
+
+    def wrap(self, handle, ordinal):
+        raise NotImplementedError
 
     def facts(self, got):
         """(shape, NumPy dtype) of an array of the framework, else (None, None)."""
@@ -110,21 +128,27 @@ class _Torch(_Gpu):
     name, array_type = "torch", "torch.Tensor"
 
     def __init__(self):
+        super().__init__()
         import torch
         import torch.utils.dlpack
         self.torch = torch
-        self.streams = {}
+        self.from_dlpack = torch.utils.dlpack.from_dlpack
+        # torch.Stream's own `with` (C++: sets device and stream, restores
+        # both) costs a few µs; torch.cuda.stream() tens (it looks the
+        # device up through Python on every call).
+        self.native_with = hasattr(torch.Stream, "__enter__")
 
-    @contextlib.contextmanager
-    def session(self, ctx, ordinal):
-        torch = self.torch
-        key = (ctx.stream, ordinal)
-        stream = self.streams.get(key)
-        if stream is None:  # XLA keeps its streams: one wrapper each
-            stream = self.streams[key] = torch.cuda.ExternalStream(
-                ctx.stream, device=torch.device("cuda", ordinal))
-        with torch.cuda.stream(stream), _current(stream):
-            yield stream
+    def wrap(self, handle, ordinal):
+        return _streams.torch_stream(self.torch, handle, ordinal)
+
+    def enter(self, ctx, ordinal):
+        stream = self.stream(ctx.stream, ordinal)
+        state = stream if self.native_with else self.torch.cuda.stream(stream)
+        state.__enter__()
+        return stream, state
+
+    def exit(self, state):
+        state.__exit__(None, None, None)
 
     def dtype(self, dtype):
         t = getattr(self.torch, dtype.name, None)
@@ -136,22 +160,27 @@ class _Torch(_Gpu):
         return self.facts(view)[1]
 
     def view(self, b, writeable, tokens):
-        ptr, shape, dtype, size = _facts(b)
         torch = self.torch
-        if not size:  # no memory to view
-            return torch.empty(shape, dtype=self.dtype(dtype), device=f"cuda:{b.__dlpack_device__()[1]}")
+        if not math.prod(b.shape):  # no memory to view
+            return torch.empty(b.shape, dtype=self.dtype(np.dtype(b.dtype)),
+                               device=f"cuda:{b.__dlpack_device__()[1]}")
         token = _Token()
         tokens.append(weakref.ref(token))
-        # The capsule holds the token until PyTorch frees the storage, which
-        # every view of this tensor shares.
-        cap = ext.raw_capsule(token, ptr, list(shape), None, _dl_dtype(dtype), _KDL_CUDA,
-                              b.__dlpack_device__()[1])
-        return torch.utils.dlpack.from_dlpack(cap)
+        # XLA's own capsule describes the buffer; the one PyTorch takes
+        # holds the token until PyTorch frees the storage, which every view
+        # of this tensor shares.  XLA's capsule is dropped unconsumed.
+        return self.from_dlpack(ext.view_capsule(b.__dlpack__(), token))
 
     def facts(self, got):
         if not isinstance(got, self.torch.Tensor):
             return None, None
         return tuple(got.shape), _torch_np_dtype(got.dtype)
+
+    def output(self, i, got, view):
+        if (isinstance(got, self.torch.Tensor) and got.dtype == view.dtype
+                and got.shape == view.shape):
+            return got  # the common case, without the NumPy dtype lookups
+        return super().output(i, got, view)
 
     def copy_into(self, view, got, stream):
         if isinstance(got, self.torch.Tensor):
@@ -164,19 +193,30 @@ class _CuPy(_Gpu):
     name, array_type = "cupy", "cupy.ndarray"
 
     def __init__(self):
+        super().__init__()
         import cupy
         self.cupy = cupy
-        self.streams = {}
 
-    @contextlib.contextmanager
-    def session(self, ctx, ordinal):
-        cupy = self.cupy
-        key = (ctx.stream, ordinal)
-        stream = self.streams.get(key)
-        if stream is None:
-            stream = self.streams[key] = cupy.cuda.ExternalStream(ctx.stream, ordinal)
-        with cupy.cuda.Device(ordinal), stream, _current(stream):
-            yield stream
+    def wrap(self, handle, ordinal):
+        return _streams.cupy_stream(self.cupy, handle, ordinal)
+
+    def enter(self, ctx, ordinal):
+        stream = self.stream(ctx.stream, ordinal)
+        device = self.cupy.cuda.Device(ordinal)
+        device.__enter__()
+        try:
+            stream.__enter__()
+        except BaseException:
+            device.__exit__(None, None, None)
+            raise
+        return stream, (device, stream)
+
+    def exit(self, state):
+        device, stream = state
+        try:
+            stream.__exit__(None, None, None)
+        finally:
+            device.__exit__(None, None, None)
 
     def np_dtype(self, view):
         return view.dtype
@@ -206,32 +246,39 @@ class _Numba(_Gpu):
     name, array_type = "numba", "a Numba device array"
 
     def __init__(self):
+        super().__init__()
         from numba import cuda
         self.cuda = cuda
-        self.streams = {}
         # Kernels launched without a stream go to Numba's default stream.
         from numba.core import config
         self.default = _PER_THREAD if getattr(config, "CUDA_PER_THREAD_DEFAULT_STREAM", 0) else _LEGACY
 
-    @contextlib.contextmanager
-    def session(self, ctx, ordinal):
-        cuda = self.cuda
+    def wrap(self, handle, ordinal):
+        return self.cuda.external_stream(handle)  # in the device's context: enter()'s
+
+    def enter(self, ctx, ordinal):
         xla = ctx.stream
-        with cuda.gpus[ordinal]:
-            key = (xla, ordinal)
-            stream = self.streams.get(key)
-            if stream is None:
-                stream = self.streams[key] = cuda.external_stream(xla)
+        gpu = self.cuda.gpus[ordinal]
+        gpu.__enter__()
+        try:
+            stream = self.stream(xla, ordinal)
             # Work fn puts on the default stream runs after XLA's work
-            # before the call, and XLA's work after the call runs after it.
+            # before the call, and XLA's work after the call runs after it
+            # (exit()).
             ext.order_after(ordinal, xla, self.default)
-            try:
-                with _current(stream):
-                    yield stream
-            finally:
-                # Also when fn raised: a kernel it launched may still write
-                # into XLA's buffers, which XLA must not reuse before it ends.
-                ext.order_after(ordinal, self.default, xla)
+        except BaseException:
+            gpu.__exit__(None, None, None)
+            raise
+        return stream, (gpu, ordinal, xla)
+
+    def exit(self, state):
+        gpu, ordinal, xla = state
+        try:
+            # Also when fn raised: a kernel it launched may still write
+            # into XLA's buffers, which XLA must not reuse before it ends.
+            ext.order_after(ordinal, self.default, xla)
+        finally:
+            gpu.__exit__(None, None, None)
 
     def np_dtype(self, view):
         return view.dtype

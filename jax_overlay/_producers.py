@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._streams import cupy_stream
+
 SPIN_SRC = r"""
 extern "C" __global__ void spin_fill(float* out, long long n, long long cycles, float value) {
   long long start = clock64();
@@ -96,6 +98,6 @@ def jax_fill(k, *, steps=300, n=JAX_N):
         return jax_busy(float(k), start, steps)
     from . import _runtime as rt
     device, = start.devices()
-    held = cp.cuda.ExternalStream(rt.compute_stream(device))
+    held = cupy_stream(cp, rt.compute_stream(device))
     spin_fill(_hold_target(), 0.0, ms=steps / 100, stream=held)
     return _fill(float(k), start)

@@ -218,6 +218,23 @@ PyObject* ChainedLegacyCapsule(PyObject* capsule) {
   return out;
 }
 
+PyObject* ViewCapsule(PyObject* capsule, PyObject* owner, Error* err) {
+  CapsuleView v;
+  if (!InspectCapsule(capsule, &v)) return nullptr;
+  const dl::Tensor& t = *v.tensor;
+  TensorGeometry g;
+  if (!CheckTensor(t, &g, err)) return nullptr;
+  TensorDesc d;
+  d.data = t.data;
+  d.byte_offset = t.byte_offset;
+  d.device = t.device;
+  d.dtype = t.dtype;
+  d.ndim = t.ndim;
+  d.shape = t.shape;  // copied by NewOwnedCapsule: the input may die first
+  d.strides = t.strides;
+  return NewOwnedCapsule(d, owner, /*versioned=*/false);
+}
+
 TakenTensor TakeTensor(PyObject* capsule) {
   TakenTensor t;
   if (PyCapsule_IsValid(capsule, dl::kCapsuleLegacy)) {

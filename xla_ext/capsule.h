@@ -43,6 +43,15 @@ PyObject* NewOwnedCapsule(const TensorDesc& desc, PyObject* owner,
 // anything).  Returns nullptr with a Python error set on failure.
 PyObject* ChainedLegacyCapsule(PyObject* capsule);
 
+// A legacy "dltensor" capsule over the tensor of an unconsumed capsule from
+// any producer (the same data, byte_offset, shape, strides, dtype and
+// device), whose deleter releases `owner` instead of the producer's tensor.
+// The input capsule is left unconsumed: the caller must keep the memory valid
+// for as long as `owner` lives (the caller's own lifetime rule, e.g. a token
+// that a buffer callback checks).  nullptr with `err` set for a tensor
+// CheckTensor refuses, or with a Python error set (not a DLPack capsule).
+PyObject* ViewCapsule(PyObject* capsule, PyObject* owner, Error* err);
+
 // Calls `deleter` of the tensor in an unconsumed DLPack capsule and marks the
 // capsule used, as a consumer would; used by tests to drive deleters from
 // other threads.  Returns the raw tensor pointer and its kind.

@@ -228,6 +228,22 @@ PYBIND11_MODULE(_xla_ext, m) {
         "`owner` alive.");
 
   m.def(
+      "view_capsule",
+      [](py::handle capsule, py::handle owner) {
+        Error err;
+        PyObject* out = ViewCapsule(capsule.ptr(), owner.ptr(), &err);
+        if (!out) {
+          if (!err.ok()) Raise(err);
+          throw py::error_already_set();
+        }
+        return Steal(out);
+      },
+      py::arg("capsule"), py::arg("owner"),
+      "A legacy capsule over the same memory as an unconsumed DLPack capsule "
+      "(same data, shape, strides, dtype, device) that holds `owner` until "
+      "its consumer frees it; the input is left unconsumed.");
+
+  m.def(
       "chained_legacy",
       [](py::handle capsule) {
         return Steal(ChainedLegacyCapsule(capsule.ptr()));

@@ -203,3 +203,50 @@ def test_plan_dlpack_import_errors():
     ext.release_capsule(cap)
     with pytest.raises(BufferError, match="already consumed"):
         ext.plan_dlpack_import(cap)
+
+
+class _Owner:
+    """A stand-in for the token a foreign call's view holds."""
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+@pytest.mark.parametrize("layout", ["compact", "strided", "0d", "offset"])
+def test_view_capsule_describes_the_same_memory_and_holds_the_owner(versioned, layout):
+    base = np.arange(48, dtype=np.int16).reshape(6, 8)
+    a = {"compact": base, "strided": base[::2, 1::3], "0d": base[2, 3],
+         "offset": base.reshape(-1)[5:]}[layout]
+    a = np.asarray(a)
+    src = a.__dlpack__(max_version=(1, 0)) if versioned else a.__dlpack__()
+    owner = _Owner()
+    ref = weakref.ref(owner)
+    view = ext.view_capsule(src, owner)
+    info, want = ext.capsule_info(view), ext.capsule_info(src)
+    assert info["versioned"] is False
+    for k in ("data", "shape", "dtype", "device", "low", "span", "layout"):
+        assert info[k] == want[k], k
+    got = np.from_dlpack(T.DLPackHolder(view))
+    np.testing.assert_array_equal(got, a)
+    assert got.ctypes.data == a.ctypes.data
+    # The input is left unconsumed and still usable.
+    np.testing.assert_array_equal(np.from_dlpack(T.DLPackHolder(src)), a)
+    del owner
+    gc.collect()
+    assert ref() is not None, "the consumer's array must hold the owner"
+    del got
+    gc.collect()
+    assert ref() is None, "the owner must be released with the consumer's array"
+
+
+def test_view_capsule_unconsumed_releases_owner_and_errors():
+    owner = _Owner()
+    ref = weakref.ref(owner)
+    view = ext.view_capsule(np.ones(3).__dlpack__(), owner)
+    del owner, view
+    gc.collect()
+    assert ref() is None, "an unconsumed view releases its owner"
+    used = np.ones(3).__dlpack__()
+    np.from_dlpack(T.DLPackHolder(used))
+    with pytest.raises(BufferError, match="already consumed"):
+        ext.view_capsule(used, None)
+    with pytest.raises(TypeError, match="expected a DLPack capsule"):
+        ext.view_capsule(np.ones(3), None)

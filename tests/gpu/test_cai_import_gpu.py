@@ -15,6 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_overlay  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
+from jax_overlay._streams import cupy_stream  # noqa: E402
 
 from producers import STREAMS, WithStream, spin_fill  # noqa: E402
 
@@ -197,7 +198,7 @@ def test_numba_inflight_producer_on_its_own_stream():
     d = cuda.device_array(1 << 20, np.float32, stream=s)
     handle = d.__cuda_array_interface__["stream"]
     assert isinstance(handle, int) and handle > 2, handle  # Numba exports its stream
-    on_numba_stream = cp.cuda.ExternalStream(handle)
+    on_numba_stream = cupy_stream(cp, handle)
     alias = cp.asarray(d)
     stale = 0
     for k in range(1, 101):

@@ -110,8 +110,15 @@ def _numba_producers(dtype):
     data in the same layout, not through Numba's own copies."""
     cuda = pytest.importorskip("numba.cuda")
     host = D.values((8, 16), dtype)
+    def transposed(a):
+        if isinstance(a, np.ndarray):
+            return a.T
+        # A view with swapped strides over the same device memory; Numba's
+        # own .T is a copy, made by a kernel.
+        desc = dict(a.__cuda_array_interface__, shape=a.shape[::-1], strides=a.strides[::-1])
+        return cuda.from_cuda_array_interface(desc, owner=a, sync=False)
     views = {"aligned": lambda a: a, "unaligned": lambda a: a.reshape(-1)[1:],
-             "strided": lambda a: a[:, ::2], "transposed": lambda a: a.T,
+             "strided": lambda a: a[:, ::2], "transposed": transposed,
              "empty": lambda a: a[:0]}
 
     def filled(alloc):

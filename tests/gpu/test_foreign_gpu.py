@@ -95,6 +95,60 @@ def test_cupy_in_flight_inputs_read_on_xlas_stream():
     assert stale == 0, f"{stale} of {TRIALS} CuPy reads were stale"
 
 
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_the_callers_stream_and_device_are_restored(framework):
+    """XLA's stream is current inside fn only: after the call (eager and
+    jitted, also when fn raised) the thread's own current stream is back,
+    and the stream wrappers warn nothing (CuPy 14 deprecates
+    ExternalStream's constructor)."""
+    if framework == "torch":
+        torch = _torch()
+        own = torch.cuda.Stream()
+        ctx, current = torch.cuda.stream(own), lambda: torch.cuda.current_stream().cuda_stream
+    else:
+        own = cp.cuda.Stream(non_blocking=True)
+        ctx, current = own, lambda: cp.cuda.get_current_stream().ptr
+    seen = []
+
+    def fn(x):
+        seen.append(current())
+        return x + 1
+
+    def fails(x):
+        seen.append(current())
+        return 1 / 0
+    ok = jax_overlay.foreign(fn, framework=framework, result_shape_dtypes=SAME)
+    bad = jax_overlay.foreign(fails, framework=framework, result_shape_dtypes=SAME)
+    x = jnp.arange(8.0)
+    with ctx:
+        mine = current()
+        for f in (ok, jax.jit(ok)):
+            np.testing.assert_array_equal(np.asarray(f(x)), np.arange(8.0) + 1)
+            assert current() == mine
+        with pytest.raises(Exception, match="ZeroDivisionError"):
+            jax.jit(bad)(x).block_until_ready()
+        assert current() == mine
+    assert seen and all(s != mine for s in seen), (seen, mine)
+
+
+def test_cupy_stream_wrapper_never_destroys_the_handle():
+    """cupy.cuda.Stream.from_external's Stream destroys its handle when it is
+    collected; the wrapper for XLA's stream must not."""
+    from jax_overlay._streams import cupy_stream
+    own = cp.cuda.Stream(non_blocking=True)
+    for _ in range(3):
+        w = cupy_stream(cp, own.ptr, cp.cuda.Device().id)
+        assert w.ptr == own.ptr
+        del w
+        import gc
+        gc.collect()
+    with own:  # the handle still works
+        a = cp.arange(1 << 16, dtype=cp.float32) * 2
+    own.synchronize()
+    assert float(a[-1]) == 2 * ((1 << 16) - 1)
+
+
 @pytest.mark.parametrize("launch", ["foreign_stream", "default_stream"])
 def test_numba_kernel_in_flight_inputs(launch):
     """A kernel launched on jax_overlay.foreign_stream(), or on Numba's
