@@ -1,0 +1,96 @@
+"""Reads of JAX arrays over Numba mapped (pinned) and managed arrays, while
+Numba frees its dead arrays in batches (every CUDA_DEALLOCS_COUNT = 10).
+
+Each trial makes a fresh Numba array, imports it with jnp.asarray (the
+producer object dropped at once, as user code does), reads it back to the
+host, and counts: ok, wrong values, or an error on the read.  Phases, same
+process, in this order:
+  A  installed, device=GPU
+  B  stock,     device=GPU (stock holds no producer: its reads may see
+                freed memory)
+  C  installed after stock
+  D  installed, device=None
+  E  installed, with Numba's batch frees deferred (numba.cuda.defer_cleanup)
+  F  control without JAX: CuPy's zero-copy view of the same kind of array,
+     read with cupy.asnumpy (skipped without CuPy)
+
+    python benchmarks/probe_numba_frees.py [--trials 150]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from numba import cuda  # noqa: E402
+from numba.core import config as numba_config  # noqa: E402
+
+import jax_overlay  # noqa: E402
+
+HOST = (np.arange(128) % 7).astype(np.int16).reshape(8, 16)
+
+
+def make(alloc):
+    m = alloc(HOST.shape, HOST.dtype)
+    m[...] = HOST  # written by the host: no producer stream
+    return m
+
+
+def outcome(read, r):
+    try:
+        return "ok" if np.array_equal(read(r), HOST) else "wrong"
+    except Exception as e:  # noqa: BLE001 - counted, with its first words
+        return f"error {type(e).__name__}: {str(e).splitlines()[0][:60]}"
+
+
+def phase(name, trials, imp, read, context=contextlib.nullcontext):
+    counts = collections.Counter()
+    with context():
+        for alloc in (cuda.mapped_array, cuda.managed_array):
+            for _ in range(trials):
+                r = imp(make(alloc))
+                gc.collect()
+                counts[(alloc.__name__, outcome(read, r))] += 1
+                del r
+    print(f"{name}: " + ", ".join(f"{a} {o} {n}" for (a, o), n in sorted(counts.items())),
+          flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--trials", type=int, default=150)
+    args = p.parse_args()
+    gpu = jax.devices("cuda")[0]
+    print(f"# {args.trials} trials per kind; jax {jax.__version__}, numba-cuda "
+          f"{getattr(cuda, '__version__', '?')}, CUDA_DEALLOCS_COUNT "
+          f"{getattr(numba_config, 'CUDA_DEALLOCS_COUNT', '?')}")
+    on_gpu = lambda m: jnp.asarray(m, device=gpu)  # noqa: E731
+    try:
+        jax_overlay.install()
+        phase("A installed, device=GPU", args.trials, on_gpu, np.asarray)
+        jax_overlay.uninstall()
+        phase("B stock, device=GPU", args.trials, on_gpu, np.asarray)
+        jax_overlay.install()
+        phase("C installed after stock", args.trials, on_gpu, np.asarray)
+        phase("D installed, device=None", args.trials, jnp.asarray, np.asarray)
+        phase("E installed, frees deferred", args.trials, on_gpu, np.asarray, cuda.defer_cleanup)
+    finally:
+        jax_overlay.uninstall()
+    try:
+        import cupy as cp
+    except ImportError:
+        print("F control (CuPy): skipped, no CuPy")
+        return
+    phase("F control, CuPy zero-copy", args.trials, cp.asarray, cp.asnumpy)
+
+
+if __name__ == "__main__":
+    main()
