@@ -11,7 +11,8 @@ process, in this order:
   C  installed after stock
   D  installed, device=None
   E  installed, with Numba's batch frees deferred (numba.cuda.defer_cleanup)
-  F  control without JAX: CuPy's zero-copy view of the same kind of array,
+  F  control without JAX: cupy.asarray of the same kind of array (through
+     its CUDA Array Interface, a view),
      read with cupy.asnumpy (skipped without CuPy)
 
     python benchmarks/probe_numba_frees.py [--trials 150]
@@ -34,6 +35,7 @@ from numba import cuda  # noqa: E402
 from numba.core import config as numba_config  # noqa: E402
 
 import jax_overlay  # noqa: E402
+from jax_overlay import _xla_ext as ext  # noqa: E402
 
 HOST = (np.arange(128) % 7).astype(np.int16).reshape(8, 16)
 
@@ -53,15 +55,25 @@ def outcome(read, r):
 
 def phase(name, trials, imp, read, context=contextlib.nullcontext):
     counts = collections.Counter()
+    failed = collections.defaultdict(list)  # the trials whose read failed: their cadence
+    handed = ext.handed_off()
     with context():
         for alloc in (cuda.mapped_array, cuda.managed_array):
-            for _ in range(trials):
+            for i in range(trials):
                 r = imp(make(alloc))
                 gc.collect()
-                counts[(alloc.__name__, outcome(read, r))] += 1
+                got = outcome(read, r)
+                counts[(alloc.__name__, got)] += 1
+                if got != "ok":
+                    failed[alloc.__name__].append(i)
                 del r
     print(f"{name}: " + ", ".join(f"{a} {o} {n}" for (a, o), n in sorted(counts.items())),
           flush=True)
+    for a, idx in failed.items():
+        print(f"    {a} failed at trials {idx[:20]}")
+    # Producer releases our deleters handed to the main thread (0 when
+    # every release ran on a Python thread).
+    print(f"    deleters handed to the main thread: {ext.handed_off() - handed}")
 
 
 def main():
@@ -89,7 +101,7 @@ def main():
     except ImportError:
         print("F control (CuPy): skipped, no CuPy")
         return
-    phase("F control, CuPy zero-copy", args.trials, cp.asarray, cp.asnumpy)
+    phase("F control, CuPy cupy.asarray", args.trials, cp.asarray, cp.asnumpy)
 
 
 if __name__ == "__main__":
