@@ -38,6 +38,13 @@ class _Token:
     __slots__ = ("__weakref__",)
 
 
+def _token(tokens):
+    """A new token, weakly recorded in the call's `tokens`."""
+    token = _Token()
+    tokens.append(weakref.ref(token))
+    return token
+
+
 def _facts(b):
     """(pointer, shape, dtype, size) of an XLA buffer."""
     shape = tuple(b.shape)
@@ -77,6 +84,23 @@ class _Gpu:
 
     def np_dtype(self, view):
         """The NumPy dtype of one of the framework's views."""
+        raise NotImplementedError
+
+    def view(self, b, writeable, tokens):
+        ptr, shape, dtype, size = _facts(b)
+        if not size:  # no memory to view, nothing to hold
+            return self.empty(shape, dtype)
+        return self.over(ptr, shape, dtype, size, b.__dlpack_device__()[1], writeable,
+                         _token(tokens))
+
+    def empty(self, shape, dtype):
+        """A zero-size array of the framework."""
+        raise NotImplementedError
+
+    def over(self, ptr, shape, dtype, size, ordinal, writeable, token):
+        """The framework's array over XLA's memory at `ptr`, holding `token`
+        through the framework's own owner field, so every view derived
+        from it holds it too."""
         raise NotImplementedError
 
     def ordinal(self, buffers):
@@ -164,12 +188,10 @@ class _Torch(_Gpu):
         if not math.prod(b.shape):  # no memory to view
             return torch.empty(b.shape, dtype=self.dtype(np.dtype(b.dtype)),
                                device=f"cuda:{b.__dlpack_device__()[1]}")
-        token = _Token()
-        tokens.append(weakref.ref(token))
         # XLA's own capsule describes the buffer; the one PyTorch takes
         # holds the token until PyTorch frees the storage, which every view
         # of this tensor shares.  XLA's capsule is dropped unconsumed.
-        return self.from_dlpack(ext.view_capsule(b.__dlpack__(), token))
+        return self.from_dlpack(ext.view_capsule(b.__dlpack__(), _token(tokens)))
 
     def facts(self, got):
         if not isinstance(got, self.torch.Tensor):
@@ -221,15 +243,12 @@ class _CuPy(_Gpu):
     def np_dtype(self, view):
         return view.dtype
 
-    def view(self, b, writeable, tokens):
-        ptr, shape, dtype, size = _facts(b)
+    def empty(self, shape, dtype):
+        return self.cupy.empty(shape, dtype)
+
+    def over(self, ptr, shape, dtype, size, ordinal, writeable, token):
         cupy = self.cupy
-        if not size:
-            return cupy.empty(shape, dtype)
-        token = _Token()
-        tokens.append(weakref.ref(token))
-        # UnownedMemory holds the token; every view of the array holds it.
-        mem = cupy.cuda.UnownedMemory(ptr, size * dtype.itemsize, token, b.__dlpack_device__()[1])
+        mem = cupy.cuda.UnownedMemory(ptr, size * dtype.itemsize, token, ordinal)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     def facts(self, got):
@@ -283,16 +302,13 @@ class _Numba(_Gpu):
     def np_dtype(self, view):
         return view.dtype
 
-    def view(self, b, writeable, tokens):
-        ptr, shape, dtype, size = _facts(b)
-        cuda = self.cuda
-        if not size:
-            return cuda.device_array(shape, dtype)
-        token = _Token()
-        tokens.append(weakref.ref(token))
+    def empty(self, shape, dtype):
+        return self.cuda.device_array(shape, dtype)
+
+    def over(self, ptr, shape, dtype, size, ordinal, writeable, token):
         desc = {"shape": shape, "typestr": dtype.str, "data": (ptr, not writeable),
                 "strides": None, "version": 2}
-        return cuda.from_cuda_array_interface(desc, owner=token, sync=False)
+        return self.cuda.from_cuda_array_interface(desc, owner=token, sync=False)
 
     def facts(self, got):
         if not self.cuda.is_cuda_array(got) or isinstance(got, np.ndarray):

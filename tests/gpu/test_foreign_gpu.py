@@ -10,6 +10,7 @@ that a framework op put on another stream does exactly that."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import numpy as np
@@ -141,7 +142,6 @@ def test_cupy_stream_wrapper_never_destroys_the_handle():
         w = cupy_stream(cp, own.ptr, cp.cuda.Device().id)
         assert w.ptr == own.ptr
         del w
-        import gc
         gc.collect()
     with own:  # the handle still works
         a = cp.arange(1 << 16, dtype=cp.float32) * 2
