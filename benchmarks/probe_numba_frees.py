@@ -5,11 +5,12 @@ Each trial makes a fresh Numba array, imports it with jnp.asarray (the
 producer object dropped at once, as user code does), reads it back to the
 host, and counts: ok, wrong values, or an error on the read.  Phases, same
 process, in this order:
-  A  installed, device=GPU
-  B  stock,     device=GPU (stock holds no producer: its reads may see
-                freed memory)
+  A  installed, device=GPU: the CAI, a view that holds the producer
+  B  stock,     device=GPU: the CAI, a view that does not hold it (reads
+                may see pages Numba has freed)
   C  installed after stock
-  D  installed, device=None
+  D  installed, device=None: jnp.array's NumPy fast path, a host copy,
+     on stock and installed alike (a mapped array is a NumPy array)
   E  installed, with Numba's batch frees deferred (numba.cuda.defer_cleanup)
   F  control without JAX: cupy.asarray of the same kind of array (through
      its CUDA Array Interface, a view),
@@ -53,27 +54,97 @@ def outcome(read, r):
         return f"error {type(e).__name__}: {str(e).splitlines()[0][:60]}"
 
 
-def phase(name, trials, imp, read, context=contextlib.nullcontext):
+class FreeLog:
+    """Numba's batch frees, recorded: the handles freed and how many
+    batches ran, so a failed read can be set against them."""
+
+    def __init__(self):
+        self.freed = set()
+        self.batches = 0
+        deallocs = cuda.current_context().deallocations
+        add, clear = deallocs.add_item, deallocs.clear
+
+        def add_item(dtor, handle, *a, **k):
+            self.pending.append(_as_int(handle))
+            return add(dtor, handle, *a, **k)
+
+        def clear_all():
+            self.batches += 1
+            self.freed.update(self.pending)
+            self.pending.clear()
+            return clear()
+
+        self.pending = []
+        deallocs.add_item, deallocs.clear = add_item, clear_all
+
+
+def _as_int(handle):
+    for get in (lambda h: h.value, int, lambda h: int(h.getPtr())):
+        try:
+            v = get(handle)
+            if v is not None:
+                return int(v)
+        except Exception:  # noqa: BLE001 - the handle types differ by binding
+            pass
+    return None
+
+
+def _info(ptr):
+    try:
+        return ext.pointer_info(ptr)[0]
+    except Exception as e:  # noqa: BLE001 - reported as is
+        return f"{type(e).__name__}"
+
+
+def _ptr(r):
+    try:
+        return r.unsafe_buffer_pointer()
+    except Exception:  # noqa: BLE001 - a CuPy array, or no single buffer
+        return getattr(getattr(r, "data", None), "ptr", None)
+
+
+def phase(name, trials, imp, read, log, context=contextlib.nullcontext, detail=4):
     counts = collections.Counter()
     failed = collections.defaultdict(list)  # the trials whose read failed: their cadence
+    notes = []
     handed = ext.handed_off()
     with context():
         for alloc in (cuda.mapped_array, cuda.managed_array):
             for i in range(trials):
-                r = imp(make(alloc))
+                m = make(alloc)
+                src = m.__cuda_array_interface__["data"][0]
+                batches = log.batches
+                r = imp(m)
+                del m
                 gc.collect()
                 got = outcome(read, r)
                 counts[(alloc.__name__, got)] += 1
                 if got != "ok":
                     failed[alloc.__name__].append(i)
+                    if len(notes) < detail:
+                        # What the failed read was over: the producer's
+                        # pointer (freed by Numba yet? a CUDA allocation
+                        # still?), the result's, the batch frees during the
+                        # trial, and whether a second read fails too.
+                        dst = _ptr(r)
+                        notes.append(
+                            f"    {alloc.__name__} trial {i}: producer {src:#x} "
+                            f"freed by Numba {src in log.freed} now {_info(src)}; "
+                            f"result {dst if dst is None else hex(dst)} "
+                            f"{'same' if dst == src else 'other'} now "
+                            f"{None if dst is None else _info(dst)}; batch frees in "
+                            f"trial {log.batches - batches}; second read "
+                            f"{outcome(read, r)}")
                 del r
     print(f"{name}: " + ", ".join(f"{a} {o} {n}" for (a, o), n in sorted(counts.items())),
           flush=True)
     for a, idx in failed.items():
         print(f"    {a} failed at trials {idx[:20]}")
+    for n in notes:
+        print(n)
     # Producer releases our deleters handed to the main thread (0 when
     # every release ran on a Python thread).
-    print(f"    deleters handed to the main thread: {ext.handed_off() - handed}")
+    print(f"    deleters handed to the main thread: {ext.handed_off() - handed}", flush=True)
 
 
 def main():
@@ -85,15 +156,16 @@ def main():
           f"{getattr(cuda, '__version__', '?')}, CUDA_DEALLOCS_COUNT "
           f"{getattr(numba_config, 'CUDA_DEALLOCS_COUNT', '?')}")
     on_gpu = lambda m: jnp.asarray(m, device=gpu)  # noqa: E731
+    log = FreeLog()
     try:
         jax_overlay.install()
-        phase("A installed, device=GPU", args.trials, on_gpu, np.asarray)
+        phase("A installed, device=GPU", args.trials, on_gpu, np.asarray, log)
         jax_overlay.uninstall()
-        phase("B stock, device=GPU", args.trials, on_gpu, np.asarray)
+        phase("B stock, device=GPU", args.trials, on_gpu, np.asarray, log)
         jax_overlay.install()
-        phase("C installed after stock", args.trials, on_gpu, np.asarray)
-        phase("D installed, device=None", args.trials, jnp.asarray, np.asarray)
-        phase("E installed, frees deferred", args.trials, on_gpu, np.asarray, cuda.defer_cleanup)
+        phase("C installed after stock", args.trials, on_gpu, np.asarray, log)
+        phase("D installed, device=None", args.trials, jnp.asarray, np.asarray, log)
+        phase("E installed, frees deferred", args.trials, on_gpu, np.asarray, log, cuda.defer_cleanup)
     finally:
         jax_overlay.uninstall()
     try:
@@ -101,7 +173,7 @@ def main():
     except ImportError:
         print("F control (CuPy): skipped, no CuPy")
         return
-    phase("F control, CuPy cupy.asarray", args.trials, cp.asarray, cp.asnumpy)
+    phase("F control, CuPy cupy.asarray", args.trials, cp.asarray, cp.asnumpy, log)
 
 
 if __name__ == "__main__":

@@ -276,6 +276,12 @@ def _reader(t):
     if reader == 0:
         if t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter"):
             reader = _cai_torch
+        elif issubclass(t, np.ndarray) and t.__dlpack_device__ is np.ndarray.__dlpack_device__:
+            # A NumPy array that is also CUDA memory (Numba's mapped and
+            # managed arrays): its __dlpack__ is NumPy's, host memory, so
+            # from_dlpack gives a host array as stock's does; the entry
+            # points that read the CAI first say so (import_foreign).
+            reader = _DLPACK
         elif hasattr(t, "__cuda_array_interface__") and hasattr(t, "__dlpack__"):
             reader = _cai_v3
         else:
@@ -307,7 +313,7 @@ def _import(x, copy, host_device=None):
     return import_dlpack(x, copy=copy, host_device=host_device)
 
 
-def import_foreign(obj, copy, host_device=None):
+def import_foreign(obj, copy, host_device=None, cai_first=False):
     """(array, copied) for a foreign array by its cheapest safe route: its
     CUDA Array Interface where cai_route() says so, else DLPack when the
     object has it, else its CAI; None when it has neither.
@@ -315,7 +321,11 @@ def import_foreign(obj, copy, host_device=None):
     Host memory (kDLCPU) is viewed on `host_device`; without one it gives
     None, and so does a DLPack device type jax_overlay cannot hold that has
     no CAI either: the caller's own path (JAX's, after install()) takes
-    those.  With `host_device` such a type raises BufferError naming it."""
+    those.  With `host_device` such a type raises BufferError naming it.
+    `cai_first`: the caller stands in for an entry point whose stock path
+    reads a CAI before anything else (jnp.asarray, jnp.array), so a host
+    producer that also has a CAI is imported through it, as stock does,
+    but holding the producer."""
     route = cai_route(obj)
     if route is not None:
         return _import_route(route, copy)
@@ -325,8 +335,8 @@ def import_foreign(obj, copy, host_device=None):
         if dl_type in _GPU_TYPES or host_device is not None:
             return import_dlpack(obj, copy=copy, advertised=(dl_type, dl_id),
                                  host_device=host_device)
-        if dl_type == KDLCPU:
-            return None  # the caller's host path, even if it also has a CAI
+        if dl_type == KDLCPU and not (cai_first and hasattr(obj, "__cuda_array_interface__")):
+            return None  # the caller's host path
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:
         return None

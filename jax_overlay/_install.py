@@ -43,18 +43,21 @@ _JAX_NATIVE = frozenset({rt.ArrayImpl, np.ndarray, int, float, complex, bool,
                          list, tuple, type(None)})
 
 
-def _foreign(obj, copy, stock_error):
+def _foreign(obj, copy, stock_error, cai_first=True):
     """(view, copied) for a foreign array in CUDA memory (device, pinned or
     managed), else None, by the cheapest safe route the object offers
     (_dlpack.import_foreign).  A refusal is raised as an instance of
     `stock_error` too: the class stock JAX raises at this entry point for a
-    foreign array it cannot take."""
+    foreign array it cannot take.  `cai_first`: stock reads any CAI first
+    (jnp.asarray, jnp.array), so a NumPy array that is also CUDA memory
+    (Numba's mapped and managed arrays) is imported through its CAI; else
+    (jax.device_put) stock reads it as the NumPy array it also is."""
     t = type(obj)
     if t in _JAX_NATIVE or isinstance(obj, np.generic) or hasattr(obj, "__jax_array__"):
         return None
     try:
         # No host device: host arrays keep JAX's own path (see the module doc).
-        hit = _dlpack.import_foreign(obj, copy)
+        hit = _dlpack.import_foreign(obj, copy, cai_first=cai_first)
     except (BufferError, TypeError, ValueError) as e:
         raise like_stock(e, stock_error) from e.__cause__
     if hit is not None and hit[0].sharding.memory_kind == "pinned_host":
@@ -77,6 +80,29 @@ def _foreign(obj, copy, stock_error):
     return hit
 
 
+def _reads_cai(a, dtype, copy, device, ndmin=0, out_sharding=None, refuse=False):
+    """Whether stock jnp.array reads the CAI of `a`, a NumPy array that is
+    also CUDA memory (Numba's mapped and managed arrays), rather than its
+    NumPy memory.  Stock's fast paths take it as host data, a copy, when
+    nothing converts it or when it asks for no copy and no new dtype, and
+    jnp.asarray(copy=False) refuses it off the CPU (`refuse`): those keep
+    stock's own path.  Every other call reaches stock's CAI branch, a view
+    that does not hold the producer; the overlay's view holds it."""
+    if refuse and _platform(device) != "cpu":
+        return False  # stock's ValueError: copy=False of buffer-protocol data
+    if (dtype is None and device is None and out_sharding is None and ndmin == 0
+            and not isinstance(a, np.ma.MaskedArray)):
+        return False
+    if not copy and device is None and ndmin <= a.ndim:
+        try:
+            same = dtype is None or rt.canonical(np.dtype(dtype)) == a.dtype
+        except TypeError:
+            return False  # stock names the bad dtype
+        if same:
+            return False
+    return True
+
+
 def _device_alias(view):
     """A device-memory array over the pinned pages of `view`, zero-copy:
     under unified addressing the host pointer of pinned memory is its
@@ -94,7 +120,14 @@ def _device_alias(view):
 
 
 def _platform(device):
-    """The platform `device=` (a device or a sharding) names."""
+    """The platform `device=` (a device, a sharding, a platform name, or
+    None: JAX's default device) names."""
+    if device is None:
+        device = jax.config.jax_default_device
+        if device is None:
+            return jax.default_backend()
+    if isinstance(device, str):
+        return device
     if isinstance(device, jax.sharding.Sharding):
         device = next(iter(device.device_set))
     return device.platform
@@ -125,7 +158,9 @@ def _asarray(orig):
     @functools.wraps(orig)
     def asarray(a, dtype=None, order=None, *, copy=None, device=None, **kwargs):
         # Stock's CAI import raises jaxlib's runtime error for what it refuses.
-        hit = _foreign(a, copy, JaxRuntimeError)
+        hit = _foreign(a, copy, JaxRuntimeError, not isinstance(a, np.ndarray) or _reads_cai(
+            a, dtype, bool(copy), device, out_sharding=kwargs.get("out_sharding"),
+            refuse=copy is False))
         if hit is None:
             return orig(a, dtype, order, copy=copy, device=device, **kwargs)
         view, copied = hit
@@ -145,7 +180,9 @@ def _array(orig):
     @functools.wraps(orig)
     def array(object, dtype=None, *, copy=True, order="K", ndmin=0,
               device=None, **kwargs):
-        hit = _foreign(object, copy, JaxRuntimeError)  # as in asarray
+        hit = _foreign(object, copy, JaxRuntimeError,  # as in asarray
+                       not isinstance(object, np.ndarray) or _reads_cai(
+                           object, dtype, copy, device, ndmin, kwargs.get("out_sharding")))
         if hit is None:
             return orig(object, dtype, copy=copy, order=order, ndmin=ndmin,
                         device=device, **kwargs)
@@ -162,7 +199,7 @@ def _array(orig):
 
 def _leaf(x):
     # Stock device_put refuses every foreign array with TypeError.
-    hit = _foreign(x, None, TypeError)
+    hit = _foreign(x, None, TypeError, cai_first=False)
     if hit is None:
         return x
     view, copied = hit

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dropin as D
+import jax_overlay
 from multidevice import check, on, params
 from jax_overlay import _runtime as rt
 from jax_overlay import _testing as T
@@ -36,7 +37,20 @@ def _producers(dtype):
     out["legacy_dlpack"] = lambda: _Legacy(D.values((8, 16), dtype))
     # Host memory behind a CUDA Array Interface: no GPU can hold it.
     out["cai_on_host"] = lambda: T.HostCAI(D.values((8, 16), dtype))
+    # A NumPy array that also exports a CAI, as Numba's mapped and managed
+    # arrays do: stock's jnp.asarray reads the CAI, the rest NumPy's memory.
+    out["ndarray_with_cai"] = lambda: D.values((8, 16), dtype).view(NDArrayCAI)
     return out
+
+
+class NDArrayCAI(np.ndarray):
+    """A NumPy array with a CUDA Array Interface over its own memory (v3, no
+    stream): Numba's MappedNDArray and ManagedNDArray have this shape."""
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "strides": None,
+                "data": (self.ctypes.data, False), "version": 3, "stream": None}
 
 
 def _truth(obj):
@@ -137,6 +151,46 @@ def _export_cases(dtype):
 def test_exports_match_stock(dtype):
     with rt.x64(True):
         _check(*D.differential(_export_cases(dtype)))
+
+
+_CPU0 = jax.devices("cpu")[0]
+
+
+@pytest.mark.parametrize("call,via_cai", [
+    # jnp.array's NumPy fast paths, a host copy on stock too.
+    ("jnp.asarray(x)", False), ("jnp.array(x)", False),
+    ("jnp.asarray(x, dtype=x.dtype)", False), ("jnp.array(x, copy=False)", False),
+    # Stock reaches its CAI branch.
+    ("jnp.asarray(x, device=cpu0)", True), ("jnp.array(x, device=cpu0)", True),
+    ("jnp.asarray(x, dtype=jnp.int32)", True), ("jnp.array(x, dtype=x.dtype)", True),
+    ("jnp.array(x, ndmin=3)", True),
+    # Read as the NumPy array it is.
+    ("jax.device_put(x)", False), ("jax.dlpack.from_dlpack(x)", False),
+    ("jnp.from_dlpack(x)", False)])
+def test_numpy_arrays_with_a_cai_take_the_route_stock_takes(monkeypatch, call, via_cai):
+    """A NumPy array that is also CUDA memory (Numba's mapped and managed
+    arrays): where stock jnp.asarray/jnp.array read its CAI, so does the
+    overlay, holding the producer (stock's view does not: its reads of a
+    dead producer's pages fail once Numba frees them); where stock reads
+    it as the NumPy array it is (jnp.array's fast paths, device_put,
+    from_dlpack), so does the overlay."""
+    from jax_overlay import _imports
+    owners = []
+
+    def import_cai(owner, cai, copy=None):
+        # A CPU stand-in for the GPU import: records what it would hold.
+        owners.append(owner)
+        return jax.device_put(np.asarray(owner), _CPU0), False
+
+    monkeypatch.setattr(_imports, "import_cai", import_cai)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4).view(NDArrayCAI)
+    jax_overlay.install()
+    try:
+        got = eval(call, {"x": x, "jnp": jnp, "jax": jax, "cpu0": _CPU0})
+    finally:
+        jax_overlay.uninstall()
+    np.testing.assert_array_equal(np.asarray(got).reshape(x.shape), np.asarray(x))
+    assert [o is x for o in owners] == ([True] if via_cai else [])
 
 
 def test_the_comparison_can_fail():

@@ -144,12 +144,48 @@ def test_numba_imports_match_stock(dtype, x64):
     cuda = pytest.importorskip("numba.cuda")
     # Numba frees dead arrays in batches (CUDA_DEALLOCS_COUNT, 10).  On the
     # H200 the read after a batch of mapped or managed frees failed
-    # (CUDA_ERROR_INVALID_VALUE) as often for stock JAX as installed, and
-    # with device=None too (benchmarks/probe_numba_frees.py): the batches
-    # wait until the cases are judged, so that one case's frees are not
-    # charged to another case's read.
+    # (CUDA_ERROR_INVALID_VALUE) for stock JAX's views, which do not hold
+    # the producer, and for jnp.array's host copies of them too
+    # (benchmarks/probe_numba_frees.py): the batches wait until the cases
+    # are judged, so that one case's frees are not charged to another
+    # case's read.  test_numba_host_arrays_read_through_their_cai_are_held
+    # frees them on purpose.
     with rt.x64(x64), cuda.defer_cleanup():
         _check(*D.differential(cases))
+
+
+@pytest.mark.parametrize("entry", [
+    "jnp.asarray(m, device=GPU)", "jnp.asarray(m, dtype=m.dtype, device=GPU)",
+    "jnp.array(m, copy=False, device=GPU)"])
+@pytest.mark.parametrize("kind", ["mapped_array", "managed_array"])
+def test_numba_host_arrays_read_through_their_cai_are_held(kind, entry):
+    """Numba's mapped and managed arrays are NumPy arrays whose __dlpack__
+    is NumPy's (host memory).  Where stock jnp.asarray/jnp.array read their
+    CAI instead (device= given), stock's view does not hold the producer;
+    installed, the view holds it: alive after the caller drops it, and
+    read right after Numba has freed a few batches of dead arrays."""
+    import gc
+    import weakref
+    cuda = pytest.importorskip("numba.cuda")
+    alloc = getattr(cuda, kind)
+    vals = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    jax_overlay.install()
+    try:
+        m = alloc(vals.shape, vals.dtype)
+        m[...] = vals
+        x = eval(entry, {"jnp": jnp, "m": m, "GPU": GPU})
+        assert x.unsafe_buffer_pointer() == m.__cuda_array_interface__["data"][0]
+        held = weakref.ref(m)
+        del m
+        gc.collect()
+        assert held() is not None, "the import does not hold the producer"
+        for k in range(40):  # four batches of Numba's frees (CUDA_DEALLOCS_COUNT 10)
+            alloc(vals.shape, vals.dtype)[...] = -k  # dies at once: a pending free
+        gc.collect()
+        np.testing.assert_array_equal(np.asarray(x), vals)
+        assert x.sharding.memory_kind == "device"
+    finally:
+        jax_overlay.uninstall()
 
 
 def _export_cases(dtype):
