@@ -47,10 +47,19 @@ class NDArrayCAI(np.ndarray):
     """A NumPy array with a CUDA Array Interface over its own memory (v3, no
     stream): Numba's MappedNDArray and ManagedNDArray have this shape."""
 
+    stream = None
+
     @property
     def __cuda_array_interface__(self):
         return {"shape": self.shape, "typestr": self.dtype.str, "strides": None,
-                "data": (self.ctypes.data, False), "version": 3, "stream": None}
+                "data": (self.ctypes.data, False), "version": 3, "stream": self.stream}
+
+
+class NDArrayCAIStream(NDArrayCAI):
+    """The same, bound to a stream, as a Numba mapped array made with
+    stream=: a CAI with a stream still leaves from_dlpack on NumPy's."""
+
+    stream = 1
 
 
 def _truth(obj):
@@ -166,7 +175,8 @@ _CPU0 = jax.devices("cpu")[0]
     ("jnp.array(x, ndmin=3)", True),
     # Read as the NumPy array it is.
     ("jax.device_put(x)", False), ("jax.dlpack.from_dlpack(x)", False),
-    ("jnp.from_dlpack(x)", False)])
+    ("jnp.from_dlpack(x)", False), ("jax.dlpack.from_dlpack(xs)", False),
+    ("jnp.from_dlpack(xs)", False), ("jnp.asarray(xs, device=cpu0)", True)])
 def test_numpy_arrays_with_a_cai_take_the_route_stock_takes(monkeypatch, call, via_cai):
     """A NumPy array that is also CUDA memory (Numba's mapped and managed
     arrays): where stock jnp.asarray/jnp.array read its CAI, so does the
@@ -184,13 +194,14 @@ def test_numpy_arrays_with_a_cai_take_the_route_stock_takes(monkeypatch, call, v
 
     monkeypatch.setattr(_imports, "import_cai", import_cai)
     x = np.arange(12, dtype=np.float32).reshape(3, 4).view(NDArrayCAI)
+    xs = x.view(NDArrayCAIStream)
     jax_overlay.install()
     try:
-        got = eval(call, {"x": x, "jnp": jnp, "jax": jax, "cpu0": _CPU0})
+        got = eval(call, {"x": x, "xs": xs, "jnp": jnp, "jax": jax, "cpu0": _CPU0})
     finally:
         jax_overlay.uninstall()
     np.testing.assert_array_equal(np.asarray(got).reshape(x.shape), np.asarray(x))
-    assert [o is x for o in owners] == ([True] if via_cai else [])
+    assert [o is (xs if "xs" in call else x) for o in owners] == ([True] if via_cai else [])
 
 
 def test_the_comparison_can_fail():
