@@ -12,6 +12,9 @@ process, in this order:
   D  installed, device=None: jnp.array's NumPy fast path, a host copy,
      on stock and installed alike (a mapped array is a NumPy array)
   E  installed, with Numba's batch frees deferred (numba.cuda.defer_cleanup)
+  G  stock, a plain NumPy copy of each array imported (no CUDA memory in
+     the import at all), Numba's frees as usual: failures here would be
+     the frees breaking reads of unrelated buffers
   F  control without JAX: cupy.asarray of the same kind of array (through
      its CUDA Array Interface, a view),
      read with cupy.asnumpy (skipped without CuPy)
@@ -168,6 +171,8 @@ def main():
         phase("E installed, frees deferred", args.trials, on_gpu, np.asarray, log, cuda.defer_cleanup)
     finally:
         jax_overlay.uninstall()
+    phase("G stock, a NumPy copy imported", args.trials,
+          lambda m: jnp.asarray(np.array(m), device=gpu), np.asarray, log)
     try:
         import cupy as cp
     except ImportError:
