@@ -64,20 +64,30 @@ class FreeLog:
     def __init__(self):
         self.freed = set()
         self.batches = 0
-        deallocs = cuda.current_context().deallocations
+        ctx = cuda.current_context()
+        # Memory goes to the memory manager's queue (numba-cuda 0.30), streams
+        # and events to the context's: both are recorded.
+        queues = {id(q): q for q in (getattr(getattr(ctx, "memory_manager", None),
+                                             "deallocations", None), ctx.deallocations)
+                  if q is not None}
+        for q in queues.values():
+            self._hook(q)
+
+    def _hook(self, deallocs):
         add, clear = deallocs.add_item, deallocs.clear
+        pending = []
 
         def add_item(dtor, handle, *a, **k):
-            self.pending.append(_as_int(handle))
+            pending.append(_as_int(handle))
             return add(dtor, handle, *a, **k)
 
         def clear_all():
-            self.batches += 1
-            self.freed.update(self.pending)
-            self.pending.clear()
+            if not deallocs.is_disabled and pending:
+                self.batches += 1
+                self.freed.update(pending)
+                pending.clear()
             return clear()
 
-        self.pending = []
         deallocs.add_item, deallocs.clear = add_item, clear_all
 
 
