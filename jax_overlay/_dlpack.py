@@ -335,8 +335,8 @@ def import_foreign(obj, copy, host_device=None, cai_first=False):
         if dl_type in _GPU_TYPES or host_device is not None:
             return import_dlpack(obj, copy=copy, advertised=(dl_type, dl_id),
                                  host_device=host_device)
-        if dl_type == KDLCPU and not (cai_first and hasattr(obj, "__cuda_array_interface__")):
-            return None  # the caller's host path
+        if dl_type == KDLCPU and not cai_first:
+            return None  # the caller's host path; with cai_first, its CAI if it has one
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:
         return None

@@ -158,9 +158,12 @@ def _asarray(orig):
     @functools.wraps(orig)
     def asarray(a, dtype=None, order=None, *, copy=None, device=None, **kwargs):
         # Stock's CAI import raises jaxlib's runtime error for what it refuses.
-        hit = _foreign(a, copy, JaxRuntimeError, not isinstance(a, np.ndarray) or _reads_cai(
-            a, dtype, bool(copy), device, out_sharding=kwargs.get("out_sharding"),
-            refuse=copy is False))
+        # Only a NumPy subclass asks _reads_cai (_foreign passes NumPy
+        # arrays themselves to JAX before it looks at cai_first).
+        hit = _foreign(a, copy, JaxRuntimeError, type(a) is np.ndarray
+                       or not isinstance(a, np.ndarray) or _reads_cai(
+                           a, dtype, bool(copy), device, out_sharding=kwargs.get("out_sharding"),
+                           refuse=copy is False))
         if hit is None:
             return orig(a, dtype, order, copy=copy, device=device, **kwargs)
         view, copied = hit
@@ -181,8 +184,8 @@ def _array(orig):
     def array(object, dtype=None, *, copy=True, order="K", ndmin=0,
               device=None, **kwargs):
         hit = _foreign(object, copy, JaxRuntimeError,  # as in asarray
-                       not isinstance(object, np.ndarray) or _reads_cai(
-                           object, dtype, copy, device, ndmin, kwargs.get("out_sharding")))
+                       type(object) is np.ndarray or not isinstance(object, np.ndarray)
+                       or _reads_cai(object, dtype, copy, device, ndmin, kwargs.get("out_sharding")))
         if hit is None:
             return orig(object, dtype, copy=copy, order=order, ndmin=ndmin,
                         device=device, **kwargs)
