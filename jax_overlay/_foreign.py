@@ -116,6 +116,8 @@ class _NumPy:
         return v
 
     def output(self, i, got, view):
+        if type(got) is np.ndarray and got.shape == view.shape and got.dtype == view.dtype:
+            return got  # the common case, without the conversions below
         arr = np.asarray(got)
         if not isinstance(got, np.ndarray) and np.ndim(got) == 0 and arr.dtype != view.dtype:
             # A Python scalar for a 0-d output: its value, in the declared dtype.
@@ -136,33 +138,51 @@ def _adapter(framework):
 
 
 def _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens):
-    """Makes the views, calls fn and fills XLA's output buffers.  Its own
-    function, so that no view made here outlives it: what is still alive
-    when it returns, fn kept."""
-    in_views = [adapter.view(b, False, tokens) for b in jax.tree_util.tree_leaves(args)]
-    out_views = [adapter.view(b, True, tokens) for b in jax.tree_util.tree_leaves(outs)]
-    inputs = jax.tree_util.tree_unflatten(in_tree, in_views)
+    """Makes the views, calls fn and fills XLA's output buffers.  `args` and
+    `outs` are XLA's buffers as flat leaves; `in_tree` and `out_tree` the
+    pytrees fn takes and returns (None where that is the flat sequence
+    itself).  Its own function, so that no view made here outlives it: what
+    is still alive when it returns, fn kept."""
+    view = adapter.view
+    in_views = [view(b, False, tokens) for b in args]
+    out_views = [view(b, True, tokens) for b in outs]
+    inputs = in_views if in_tree is None else jax.tree_util.tree_unflatten(in_tree, in_views)
     if write_out:
-        got = fn(*inputs, out=jax.tree_util.tree_unflatten(out_tree, out_views))
+        got = fn(*inputs, out=out_views[0] if out_tree is None
+                 else jax.tree_util.tree_unflatten(out_tree, out_views))
         if got is not None:
             raise ForeignError(
                 "with out=True the foreign function writes its outputs into `out` and "
                 f"returns None; it returned {type(got).__qualname__}")
         return
-    leaves, tree = jax.tree_util.tree_flatten(fn(*inputs))
-    if tree != out_tree:
+    got = fn(*inputs)
+    leaves, tree = jax.tree_util.tree_flatten(got)
+    want = _LEAF if out_tree is None else out_tree
+    if tree != want:
         raise ForeignError(
             f"the foreign function returned the structure {tree}, but "
-            f"result_shape_dtypes has {out_tree}")
+            f"result_shape_dtypes has {want}")
     # Checked against XLA's own output buffers: under vmap they carry the
     # batch dimension that result_shape_dtypes does not.
     for i, (view, leaf) in enumerate(zip(out_views, leaves)):
         adapter.copy_into(view, adapter.output(i, leaf, view), stream)
 
 
+_LEAF = jax.tree_util.tree_structure(0)
+
+
 def _make_callback(fn, adapter, in_tree, out_tree, write_out):
+    """The buffer_callback body.  It is given flat leaves (`call` flattens
+    both sides, so jax's own unflattening is a tuple's): `in_tree` and
+    `out_tree` are unflattened here only when fn's pytrees are not already
+    that (a tuple of arrays in, one array out)."""
+    if in_tree == jax.tree_util.tree_structure((0,) * in_tree.num_leaves):
+        in_tree = None
+    if out_tree == _LEAF:
+        out_tree = None
+
     def callback(ctx, outs, *args):
-        ordinal = adapter.ordinal(jax.tree_util.tree_leaves((outs, args)))
+        ordinal = adapter.ordinal((*outs, *args))
         tokens: list = []
         stack = _local.__dict__.setdefault("streams", [])  # foreign_stream()'s
         try:
@@ -183,14 +203,20 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out):
             raise ForeignError(
                 f"the foreign function {getattr(fn, '__qualname__', fn)!r} raised "
                 f"{type(e).__qualname__}: {e}") from e
-        if any(t() is not None for t in tokens):
-            gc.collect()  # a view in a reference cycle of fn's is not kept
-            if any(t() is not None for t in tokens):
-                raise ForeignError(
-                    "the foreign function kept a view of XLA's buffers past the call "
-                    "(XLA reuses that memory once the call returns); copy what you keep, "
-                    "e.g. np.array(x), x.clone() or x.copy() instead of x")
+        for t in tokens:
+            if t() is not None:
+                _kept(tokens)
+                break
     return callback
+
+
+def _kept(tokens):
+    gc.collect()  # a view in a reference cycle of fn's is not kept
+    if any(t() is not None for t in tokens):
+        raise ForeignError(
+            "the foreign function kept a view of XLA's buffers past the call "
+            "(XLA reuses that memory once the call returns); copy what you keep, "
+            "e.g. np.array(x), x.clone() or x.copy() instead of x")
 
 
 def _check_placement(args, framework):
@@ -263,13 +289,13 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
     @functools.lru_cache(maxsize=64)
     def _compiled(in_tree, out_spec_key):
         out_tree, out_specs = out_spec_key
-        spec = jax.tree_util.tree_unflatten(out_tree, list(out_specs))
         from jax.experimental.buffer_callback import buffer_callback
         # The framework is imported on the first call, not when fn is wrapped.
         cb = _make_callback(fn, _adapter(framework), in_tree, out_tree, out)
+        # Flat on both sides: the callback gets XLA's buffers as leaves.
         # command_buffer_compatible stays False: fn's Python must run on
         # every call, not once into a CUDA graph that XLA replays.
-        return buffer_callback(cb, spec, vmap_method=vmap_method)
+        return buffer_callback(cb, list(out_specs), vmap_method=vmap_method)
 
     def call(*args):
         if not args:
@@ -277,8 +303,9 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         _check_placement(args, framework)
         spec = _result_spec(result_shape_dtypes, args)
         out_leaves, out_tree = jax.tree_util.tree_flatten(spec)
-        in_tree = jax.tree_util.tree_structure(args)
-        return _compiled(in_tree, (out_tree, tuple(out_leaves)))(*args)
+        in_leaves, in_tree = jax.tree_util.tree_flatten(args)
+        flat = _compiled(in_tree, (out_tree, tuple(out_leaves)))(*in_leaves)
+        return jax.tree_util.tree_unflatten(out_tree, flat)
 
     if vjp is None:
         return functools.wraps(fn)(call)

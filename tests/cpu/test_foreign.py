@@ -95,6 +95,23 @@ def test_out_true_writes_into_xla_buffers():
     assert seen == [True]
 
 
+def test_out_true_with_a_pytree_of_outputs_and_inputs():
+    """out= is shaped as result_shape_dtypes, the inputs as passed (a None
+    leaf in them is no buffer)."""
+    def fn(x, extra, *, out):
+        assert extra["none"] is None
+        np.add(x, extra["y"], out=out["sum"])
+        np.subtract(x, extra["y"], out=out["diff"][0])
+
+    def spec(x, extra):
+        return {"sum": x, "diff": [x]}
+    f = numpy_fn(fn, spec, out=True)
+    x = on_cpu(jnp.arange(4.0, dtype=jnp.float32))
+    got = jax.jit(f)(x, {"y": x * 3, "none": None})
+    np.testing.assert_array_equal(np.asarray(got["sum"]), np.asarray(x) * 4)
+    np.testing.assert_array_equal(np.asarray(got["diff"][0]), np.asarray(x) * -2)
+
+
 def test_out_true_must_not_return_a_value():
     f = numpy_fn(lambda x, *, out: x + 1, out=True)
     with pytest.raises(Exception, match="returns None"):
@@ -163,6 +180,8 @@ def test_exception_in_fn_reaches_the_caller():
     (lambda x: x[:2], r"float32\[2\].*says float32\[3\]"),
     (lambda x: x.astype(np.float64), r"float64\[3\].*says float32\[3\]"),
     (lambda x: (x, x), "structure"),
+    (lambda x: [x], "structure"),  # a list of one, where one array is declared
+    (lambda x: None, "structure"),
 ])
 def test_wrong_outputs_raise_from_the_first_call(ret, words):
     f = numpy_fn(ret)
