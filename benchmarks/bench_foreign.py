@@ -6,6 +6,7 @@ rotating order, as end-to-end calls (dispatch to ready, one at a time):
   torch alone   gelu on a PyTorch tensor, then synchronize (jax-free: the
                 control, and the floor every other case is measured against)
   foreign       jit(jax_overlay.foreign(gelu, framework="torch"))
+  foreign out=True  the same op written into XLA's output (aten's gelu.out)
   pure_callback jit(jax.pure_callback(gelu via host copies))
   torch2jax     wrap_torch2jax.torch2jax(gelu), where it installs
   jax           jit(jax.nn.gelu), JAX's own op, for scale
@@ -13,7 +14,11 @@ Sizes: 1K float32 (per-call overhead) and 256 MiB float32 (end to end).
 Reported: median over rounds of each case's µs, and per round the overhead
 (case - torch alone) and the ratios, medians over rounds.
 
-    python benchmarks/bench_foreign.py [--rounds 15] [--out DIR]
+    python benchmarks/bench_foreign.py [--rounds 15] [--out DIR] [--tag -prealloc]
+
+XLA_PYTHON_CLIENT_PREALLOCATE defaults to false here (PyTorch shares the
+GPU); set it to true for XLA's preallocated pool.  The settings are in the
+report's first line.
 """
 
 from __future__ import annotations
@@ -41,16 +46,23 @@ def gelu(x):
     return torch.nn.functional.gelu(x)
 
 
+def gelu_into(x, out):
+    torch._C._nn.gelu(x, out=out)  # aten's gelu.out: the op, written into `out`
+
+
 def cases(n):
     spec = jax.ShapeDtypeStruct((n,), jnp.float32)
     x = jnp.linspace(-3, 3, n, dtype=jnp.float32)
     t = torch.linspace(-3, 3, n, device="cuda")
     foreign = jax.jit(jax_overlay.foreign(gelu, framework="torch", result_shape_dtypes=spec))
+    # The same gelu written straight into XLA's output buffer: no copy.
+    into = jax.jit(jax_overlay.foreign(gelu_into, framework="torch", result_shape_dtypes=spec,
+                                       out=True))
 
     def host_gelu(h):
         return gelu(torch.from_numpy(np.asarray(h)).cuda()).cpu().numpy()
     pure = jax.jit(lambda v: jax.pure_callback(host_gelu, spec, v))
-    own = jax.jit(jax.nn.gelu)
+    own = jax.jit(lambda v: jax.nn.gelu(v, approximate=False))  # the same (erf) gelu
 
     def torch_alone():
         gelu(t)
@@ -68,6 +80,11 @@ def cases(n):
         out["torch2jax"] = f"{type(e).__name__}: {e}"[:200]
     # The same values: foreign against torch alone.
     np.testing.assert_allclose(np.asarray(foreign(x)), gelu(t).cpu().numpy(), rtol=1e-6, atol=1e-6)
+    try:
+        np.testing.assert_allclose(np.asarray(into(x)), gelu(t).cpu().numpy(), rtol=1e-6, atol=1e-6)
+        out["foreign out=True"] = lambda: into(x).block_until_ready()
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        out["foreign out=True"] = f"{type(e).__name__}: {e}"[:200]
     return out
 
 
@@ -82,10 +99,13 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--tag", default="", help="appended to the output files' names")
     args = p.parse_args()
     results, lines = {}, []
+    alloc = " ".join(f"{k}={os.environ.get(k)}" for k in (
+        "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR"))
     env = (f"{torch.cuda.get_device_name()}, jax {jax.__version__}, torch {torch.__version__}, "
-           f"Python {platform.python_version()}")
+           f"Python {platform.python_version()}, {alloc}")
     lines.append(f"# jax_overlay.foreign vs pure_callback / torch2jax, same process, "
                  f"{args.rounds} alternating rounds; {env}")
     for size, (n, calls) in SIZES.items():
@@ -123,9 +143,9 @@ def main():
     text = "\n".join(lines)
     print(text)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "foreign-ab.txt"), "w") as f:
+    with open(os.path.join(args.out, f"foreign-ab{args.tag}.txt"), "w") as f:
         f.write(text + "\n")
-    with open(os.path.join(args.out, "foreign-ab.json"), "w") as f:
+    with open(os.path.join(args.out, f"foreign-ab{args.tag}.json"), "w") as f:
         json.dump({"env": env, "rounds": args.rounds, "results": results}, f, indent=1)
 
 

@@ -10,7 +10,12 @@ floor.
   --backend gpu  framework "torch" on the GPU (needs PyTorch with CUDA)
 
     python benchmarks/probe_foreign.py [--backend cpu] [--rounds 15] [--calls 300] [--n 1024]
-        [--profile CALLS [--top 30]]
+        [--profile CALLS [--top 30]] [--json FILE]
+
+"empty buffer_callback" is XLA calling into Python that does nothing: with
+"jit, no callback" it splits a call's floor into dispatch and mechanism.
+The allocator settings (XLA_PYTHON_CLIENT_*) are printed with the table:
+run once per setting, each its own process.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
 import statistics
@@ -61,6 +67,10 @@ def _named(name, make):
     return make_timed
 
 
+def _nothing(ctx, out, a):
+    pass
+
+
 def _cpu_cases(x, spec):
     def bare(ctx, out, a):
         np.copyto(np.asarray(out), np.asarray(a) * 2)
@@ -101,6 +111,7 @@ def main():
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="then profile the foreign callback over CALLS calls")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--json", default="", help="also write the table here")
     args = p.parse_args()
     x = jnp.linspace(-1, 1, args.n, dtype=jnp.float32)
     if args.backend == "cpu":
@@ -110,6 +121,10 @@ def main():
     make = _foreign._make_callback
     cases = {
         "jit, no callback": jax.jit(lambda v: v * 2),
+        # The mechanism alone: XLA calls into Python, which does nothing
+        # (the output is left as XLA allocated it: timing only).
+        "empty buffer_callback": jax.jit(buffer_callback(_timed("empty buffer_callback", _nothing),
+                                                         spec)),
         "bare buffer_callback": jax.jit(buffer_callback(_timed("bare buffer_callback", bare), spec)),
         f"foreign {framework}": jax.jit(jax_overlay.foreign(
             fn, framework=framework, result_shape_dtypes=spec)),
@@ -120,7 +135,9 @@ def main():
     try:  # the foreign callbacks are made on the first call: time them
         for k, f in cases.items():
             _foreign._make_callback = _named(k, make)
-            np.testing.assert_allclose(np.asarray(f(x)), np.asarray(x) * 2)
+            y = f(x)
+            if k != "empty buffer_callback":
+                np.testing.assert_allclose(np.asarray(y), np.asarray(x) * 2)
     finally:
         _foreign._make_callback = make
     _INSIDE.clear()
@@ -134,13 +151,24 @@ def main():
                 f(x).block_until_ready()
             per[k].append((time.perf_counter() - t0) / args.calls * 1e6)
     base = per["bare buffer_callback"]
+    alloc = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE",
+                                           "XLA_PYTHON_CLIENT_ALLOCATOR",
+                                           "XLA_PYTHON_CLIENT_MEM_FRACTION")}
     print(f"# {args.n} float32, {env}, {args.rounds} alternating rounds of {args.calls} calls "
-          "(dispatch to ready); 'in Python' is the median time inside the callback")
+          "(dispatch to ready); 'in Python' is the median time inside the callback; "
+          f"allocator settings {alloc}")
     print(f"{'case':30s} {'us':>8s} {'x bare callback':>16s} {'in Python us':>13s}")
+    report = {}
     for k, ts in per.items():
         ratio = statistics.median(a / b for a, b in zip(ts, base))
         inside = f"{statistics.median(_INSIDE[k]) * 1e6:13.1f}" if k in _INSIDE else f"{'-':>13s}"
         print(f"{k:30s} {statistics.median(ts):8.1f} {ratio:16.2f} {inside}")
+        report[k] = {"us": statistics.median(ts), "x_bare": ratio,
+                     "in_python_us": statistics.median(_INSIDE[k]) * 1e6 if k in _INSIDE else None}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"elements": args.n, "env": env, "allocator": alloc, "rounds": args.rounds,
+                       "calls": args.calls, "cases": report}, f, indent=1)
     if args.profile:
         # Where the foreign callback's own time goes (cProfile inflates it;
         # the shares are what matter).

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# A GPU session's runs in two device calls of under 10 minutes each, every
+# log in /tmp/o, tarred into $OUT/all.tgz (one file comes back).  Needs the
+# ignored build/ inputs carried: build/wheels (NumPy 2.4.6 for numba-cuda,
+# wrap_torch2jax) and build/jax_interop_src/{base,main} (see README).
+#   bash tools/gpu_session.sh 1   the GPU suite (+ Numba under NumPy 2.4.6),
+#                                 the doctor, the drop-in A/B
+#   bash tools/gpu_session.sh 2   the Numba frees probe, JAX's interop tests
+#                                 (both trees), the foreign probes and
+#                                 benchmark (XLA's pool preallocated and
+#                                 not)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+O=/tmp/o
+mkdir -p "$O"
+export PYTHONUNBUFFERED=1
+W=$(ls build/wheels/numpy-*.whl 2>/dev/null | head -1)
+tarball() { tar -czf "${OUT:-.}/all.tgz" -C "$O" .; }
+trap tarball EXIT
+case "${1:-}" in
+1)
+  DOCTOR=1 TEST_TIMEOUT=${TEST_TIMEOUT:-270} DOCTOR_TIMEOUT=100 NUMBA_NUMPY_WHEEL=$W OUT=$O \
+    bash tools/gpu_suite.sh tests/gpu >"$O/suite.txt" 2>&1
+  echo "suite exit status $?" | tee -a "$O/suite.txt"
+  grep -E "passed|failed" "$O/suite.txt" | tail -4
+  grep -E "^(FAILED|ERROR)" "$O/suite.txt" | head -30
+  PYTHONPATH=$PWD timeout 120 "$PY" benchmarks/bench_dropin.py --rounds 15 --out "$O" \
+    >"$O/dropin-ab.log" 2>&1
+  echo "dropin bench exit status $?"; cat "$O/dropin-ab.txt" 2>/dev/null
+  ;;
+2)
+  "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
+  export PYTHONPATH=$PWD
+  NP=$(mktemp -d)
+  [ -n "$W" ] && "$PY" -m pip install -q --no-deps --no-index --target "$NP" "$W"
+  PYTHONPATH=$NP:$PWD timeout 150 "$PY" benchmarks/probe_numba_frees.py --trials 100 \
+    >"$O/numba-frees.txt" 2>&1; echo "numba frees probe exit status $?" >>"$O/numba-frees.txt"
+  for t in base main; do
+    timeout 120 "$PY" tools/jax_interop.py "build/jax_interop_src/$t" --python "$PY" \
+      --out "$O/interop-$t.json" >"$O/interop-$t.txt" 2>&1
+    echo "interop $t exit status $?" | tee -a "$O/interop-$t.txt"; tail -3 "$O/interop-$t.txt"
+  done
+  T2J=$(mktemp -d)
+  "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
+  for pre in false true; do
+    for n in 1024 67108864; do
+      calls=200 rounds=7; [ "$n" -gt 1024 ] && calls=10 rounds=5
+      XLA_PYTHON_CLIENT_PREALLOCATE=$pre timeout 100 "$PY" benchmarks/probe_foreign.py \
+        --backend gpu --rounds $rounds --calls $calls --n $n --json "$O/foreign-probe-$n-pre$pre.json" \
+        >"$O/foreign-probe-$n-pre$pre.txt" 2>&1
+    done
+    XLA_PYTHON_CLIENT_PREALLOCATE=$pre PYTHONPATH=$PWD:$T2J timeout 150 "$PY" \
+      benchmarks/bench_foreign.py --rounds 7 --out "$O" --tag "-pre$pre" >/dev/null 2>"$O/foreign-ab-pre$pre.err"
+    echo "foreign bench (preallocate=$pre) exit status $?"
+  done
+  cat "$O"/foreign-probe-*.txt "$O"/foreign-ab-pre*.txt 2>/dev/null
+  ;;
+*) echo "usage: $0 1|2" >&2; exit 2 ;;
+esac
