@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # A GPU session's runs in two device calls of under 10 minutes each, every
-# log in /tmp/o, tarred into $OUT/all.tgz (one file comes back).  Needs the
-# ignored build/ inputs carried: build/wheels (NumPy 2.4.6 for numba-cuda,
-# wrap_torch2jax) and build/jax_interop_src/{base,main} (see README).
+# log in /tmp/o, tarred into $OUT/all.tgz (one file comes back).  The GPU
+# machine has no registry: carry these ignored inputs, made where one is
+#   mkdir -p build/wheels; pip download --no-deps -d build/wheels wrap_torch2jax
+#   pip download numpy==2.4.6 --no-deps --only-binary=:all: \
+#     --platform manylinux_2_28_x86_64 --python-version 3.12 -d build/wheels
+#   R=<a jax git dir>; B=$(awk '/^commit/{print $2}' patches/jax/BASE)
+#   for t in base:$B main:HEAD; do
+#     mkdir -p build/jax_interop_src/${t%%:*}; git --git-dir=$R archive ${t#*:} \
+#       tests/array_interoperability_test.py | tar -x -C build/jax_interop_src/${t%%:*}; done
 #   bash tools/gpu_session.sh 1   the GPU suite (+ Numba under NumPy 2.4.6),
 #                                 the doctor, the drop-in A/B
 #   bash tools/gpu_session.sh 2   the Numba frees probe, JAX's interop tests
