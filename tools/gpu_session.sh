@@ -22,13 +22,15 @@ O=/tmp/o
 mkdir -p "$O"
 export PYTHONUNBUFFERED=1
 W=$(ls build/wheels/numpy-*.whl 2>/dev/null | head -1)
-tarball() { tar -czf "${OUT:-.}/all.tgz" -C "$O" .; }
+# Tarred after every step too: a run stopped at the device's time limit
+# still brings back what it had finished.
+tarball() { tar -czf "${OUT:-.}/all.tgz.tmp" -C "$O" . && mv "${OUT:-.}/all.tgz.tmp" "${OUT:-.}/all.tgz"; }
 trap tarball EXIT
 case "${1:-}" in
 1)
   DOCTOR=1 TEST_TIMEOUT=${TEST_TIMEOUT:-270} DOCTOR_TIMEOUT=100 NUMBA_NUMPY_WHEEL=$W OUT=$O \
     bash tools/gpu_suite.sh tests/gpu >"$O/suite.txt" 2>&1
-  echo "suite exit status $?" | tee -a "$O/suite.txt"
+  echo "suite exit status $?" | tee -a "$O/suite.txt"; tarball
   grep -E "passed|failed" "$O/suite.txt" | tail -4
   grep -E "^(FAILED|ERROR)" "$O/suite.txt" | head -30
   PYTHONPATH=$PWD timeout 120 "$PY" benchmarks/bench_dropin.py --rounds 15 --out "$O" \
@@ -41,11 +43,11 @@ case "${1:-}" in
   NP=$(mktemp -d)
   [ -n "$W" ] && "$PY" -m pip install -q --no-deps --no-index --target "$NP" "$W"
   PYTHONPATH=$NP:$PWD timeout 150 "$PY" benchmarks/probe_numba_frees.py --trials 100 \
-    >"$O/numba-frees.txt" 2>&1; echo "numba frees probe exit status $?" >>"$O/numba-frees.txt"
+    >"$O/numba-frees.txt" 2>&1; echo "numba frees probe exit status $?" >>"$O/numba-frees.txt"; tarball
   for t in base main; do
     timeout 120 "$PY" tools/jax_interop.py "build/jax_interop_src/$t" --python "$PY" \
       --out "$O/interop-$t.json" >"$O/interop-$t.txt" 2>&1
-    echo "interop $t exit status $?" | tee -a "$O/interop-$t.txt"; tail -3 "$O/interop-$t.txt"
+    echo "interop $t exit status $?" | tee -a "$O/interop-$t.txt"; tail -3 "$O/interop-$t.txt"; tarball
   done
   T2J=$(mktemp -d)
   "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
@@ -54,11 +56,11 @@ case "${1:-}" in
       calls=200 rounds=7; [ "$n" -gt 1024 ] && calls=10 rounds=5
       XLA_PYTHON_CLIENT_PREALLOCATE=$pre timeout 100 "$PY" benchmarks/probe_foreign.py \
         --backend gpu --rounds $rounds --calls $calls --n $n --json "$O/foreign-probe-$n-pre$pre.json" \
-        >"$O/foreign-probe-$n-pre$pre.txt" 2>&1
+        >"$O/foreign-probe-$n-pre$pre.txt" 2>&1; tarball
     done
     XLA_PYTHON_CLIENT_PREALLOCATE=$pre PYTHONPATH=$PWD:$T2J timeout 150 "$PY" \
       benchmarks/bench_foreign.py --rounds 7 --out "$O" --tag "-pre$pre" >/dev/null 2>"$O/foreign-ab-pre$pre.err"
-    echo "foreign bench (preallocate=$pre) exit status $?"
+    echo "foreign bench (preallocate=$pre) exit status $?"; tarball
   done
   cat "$O"/foreign-probe-*.txt "$O"/foreign-ab-pre*.txt 2>/dev/null
   ;;
