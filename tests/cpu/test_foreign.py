@@ -312,6 +312,46 @@ def test_integer_inputs_get_float0_cotangents():
     assert gn.dtype == jax.dtypes.float0
 
 
+def test_eight_threads_calling_jitted_foreign_functions():
+    """Each thread's calls see their own inputs, their own kept-view tokens
+    and foreign_stream() stack; one thread's failing calls (a kept view)
+    fail only its own."""
+    import threading
+    kept = []
+
+    def fn(x, k):
+        assert jax_overlay.foreign_stream() is None  # NumPy's, inside a call
+        if int(k) < 0:
+            kept.append(x)  # this thread's calls keep a view: they must fail
+        return x * k
+    f = jax.jit(numpy_fn(fn, lambda x, k: x))
+    results, errors = {}, {}
+    start = threading.Barrier(8)
+
+    def work(t):
+        start.wait()
+        k = on_cpu(jnp.asarray(np.float32(-1 if t == 7 else t)))
+        x = on_cpu(jnp.arange(64.0, dtype=jnp.float32) + t)
+        got = []
+        for _ in range(50):
+            try:
+                got.append(np.asarray(f(x, k)))
+            except Exception as e:  # noqa: BLE001 - thread 7's, checked below
+                errors.setdefault(t, []).append(str(e))
+        results[t] = got
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for t in range(7):
+        assert t not in errors, errors.get(t, [""])[0][:300]
+        want = (np.arange(64.0, dtype=np.float32) + t) * t
+        assert len(results[t]) == 50 and all(np.array_equal(g, want) for g in results[t])
+    assert len(errors[7]) == 50 and all("kept a view" in e for e in errors[7])
+    kept.clear()  # views of freed buffers: never read
+
+
 # --- several devices (a subprocess with N CPU devices: multidevice.py) -------
 
 @on(2)
