@@ -143,9 +143,9 @@ def _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens):
     pytrees fn takes and returns (None where that is the flat sequence
     itself).  Its own function, so that no view made here outlives it: what
     is still alive when it returns, fn kept."""
-    view = adapter.view
-    in_views = [view(b, False, tokens) for b in args]
-    out_views = [view(b, True, tokens) for b in outs]
+    make_view = adapter.view
+    in_views = [make_view(b, False, tokens) for b in args]
+    out_views = [make_view(b, True, tokens) for b in outs]
     inputs = in_views if in_tree is None else jax.tree_util.tree_unflatten(in_tree, in_views)
     if write_out:
         got = fn(*inputs, out=out_views[0] if out_tree is None
