@@ -57,8 +57,6 @@ def foreign_stream() -> Any:
     return stack[-1]
 
 
-
-
 def _spec_leaf(x, where):
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
     if shape is None or dtype is None:
