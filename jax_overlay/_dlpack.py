@@ -129,6 +129,7 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
     `advertised`: the producer's ``__dlpack_device__()`` if already asked.
     `host_device`: the CPU device that views host memory (kDLCPU), which
     belongs to no device in particular; default JAX's first CPU device."""
+    resolved = False
     if type(x) is CapsuleType:
         cap = x
     else:
@@ -141,6 +142,9 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
                     "DLPack capsule")
             advertised = device_of(x)
         _check_type(advertised[0])
+        # PyTorch exports a lazy negative view's memory unnegated: resolved
+        # first, and the capsule then holds the resolved copy.
+        x, resolved = _imports.resolve_lazy(x, copy)
         stream = _producer_stream(*advertised)
         if stream is None or not _gpu_target(advertised[1])[2]:
             cap = _request(x, stream, copy)
@@ -155,7 +159,7 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
     # as a legacy one jaxlib reads.  READ_ONLY needs nothing: JAX never writes
     # to an imported buffer, short of donating it (see the README).
     cap, view, cap_type, cap_id, flags = ext.plan_dlpack_import(cap)
-    copied = bool(flags & ext.FLAG_IS_COPIED)
+    copied = bool(flags & ext.FLAG_IS_COPIED) or resolved
     # Before jaxlib sees it: a dtype it cannot read would come back as its
     # RuntimeError.  The refused capsule's destructor frees the tensor.
     dtype = _dtype(*view.dtype)
@@ -214,7 +218,7 @@ _cai_readers: dict[type, object] = {}
 _DLPACK = None
 
 
-def _cai_v3(obj):
+def _cai_v3(obj, copy):
     """A producer's own CAI when it is version 3 with a stream: the order
     its __dlpack__ would give (CuPy's: its current stream for both)."""
     try:
@@ -241,24 +245,21 @@ def _torch_facts():
     return get, exact
 
 
-def _cai_torch(t):
+def _cai_torch(t, copy):
     """A PyTorch CUDA tensor's CAI, ordered as its __dlpack__ orders: after
     the current stream of the tensor's device.  PyTorch exports CAI version
     2 with no stream, so the stream is added here.  None (DLPack) for what
     the CAI would refuse or get wrong: tensors requiring grad, and any dtype
     whose type string is not exactly its own (bfloat16 is exported as
-    '<f2').  A conjugate or negative view (a lazy bit the CAI does not
-    carry, and __dlpack__ refuses) is resolved by PyTorch first, a copy on
-    its current stream, which the import then holds."""
+    '<f2').  A conjugate or negative view is resolved first
+    (_imports.resolve_lazy), on either route."""
     if not t.is_cuda or t.requires_grad:
         return None
-    copied = False
-    if t.is_conj() or t.is_neg():
-        t, copied = t.resolve_conj().resolve_neg(), True
     stream_of, exact = _torch_facts()
     want = exact.get(t.dtype)
     if want is None:
         return None
+    t, copied = _imports.resolve_lazy(t, copy)
     try:
         cai = t.__cuda_array_interface__
     except Exception:
@@ -290,12 +291,13 @@ def _reader(t):
     return reader
 
 
-def cai_route(obj):
+def cai_route(obj, copy=None):
     """(owner, CAI dict, copied) to import `obj` through, or None for
     DLPack (or for an object with one protocol only).  The owner is what
-    the import holds alive: `obj`, or the copy the producer made of it."""
+    the import holds alive: `obj`, or the copy the producer made of it
+    (BufferError where copy=False forbids that copy)."""
     reader = _reader(type(obj))
-    return None if reader is None else reader(obj)
+    return None if reader is None else reader(obj, copy)
 
 
 def _import_route(route, copy):
@@ -307,7 +309,7 @@ def _import_route(route, copy):
 def _import(x, copy, host_device=None):
     """(array, copied) of a DLPack producer by its cheapest safe route (see
     cai_route): its CAI where that gives the same array, else DLPack."""
-    route = cai_route(x)
+    route = cai_route(x, copy)
     if route is not None:
         return _import_route(route, copy)
     return import_dlpack(x, copy=copy, host_device=host_device)
@@ -326,12 +328,21 @@ def import_foreign(obj, copy, host_device=None, cai_first=False):
     reads a CAI before anything else (jnp.asarray, jnp.array), so a host
     producer that also has a CAI is imported through it, as stock does,
     but holding the producer."""
-    route = cai_route(obj)
+    route = cai_route(obj, copy)
     if route is not None:
         return _import_route(route, copy)
     dlpack_device = getattr(obj, "__dlpack_device__", None)
     if dlpack_device is not None and hasattr(obj, "__dlpack__"):
-        dl_type, dl_id = device_of(obj)
+        try:
+            dl_type, dl_id = device_of(obj)
+        except Exception:
+            if host_device is not None:
+                raise
+            # Stock's jnp.asarray, jnp.array and jax.device_put never ask for
+            # __dlpack_device__: where it raises (PyTorch's, for a negative
+            # view of bool) the object is theirs, as on stock, unless a CAI
+            # says otherwise.
+            dl_type = dl_id = None
         if dl_type in _GPU_TYPES or host_device is not None:
             return import_dlpack(obj, copy=copy, advertised=(dl_type, dl_id),
                                  host_device=host_device)

@@ -15,7 +15,7 @@ from . import _runtime as rt
 from . import _strided
 from . import _xla_ext as ext
 from ._config import config
-from ._errors import CopyRequiredError, LayoutCopyRequiredError
+from ._errors import CopyRequiredError, JaxRuntimeError, LayoutCopyRequiredError, like_stock
 
 _KDLCPU, _KDLCUDA, _KDLCUDAHOST = 1, 2, 3
 
@@ -28,6 +28,48 @@ def _cai_dict(obj):
             f"{type(obj).__module__}.{type(obj).__qualname__} has no "
             "__cuda_array_interface__; pass a GPU array from CuPy, Numba, "
             "PyTorch or another producer of the CUDA Array Interface") from None
+
+
+# Per type: whether it is a PyTorch tensor type (Tensor, Parameter or a
+# subclass), found by name so that PyTorch is never imported here.
+_TORCH_TYPES: dict[type, bool] = {}
+
+
+def resolve_lazy(obj, copy):
+    """(obj, copied): a PyTorch tensor whose conj() or neg view is still
+    lazy, a bit on the tensor over memory left as it was, resolved first by
+    PyTorch (a copy on its current stream, which the import then holds and
+    orders after).  Neither protocol carries the bit: the CAI omits it, and
+    __dlpack__ refuses the conjugate bit but exports a negative view's
+    memory as it is, so ``x.conj().imag`` read the values with the wrong
+    sign (PyTorch 2.14: its own from_dlpack too).  copy=False cannot have
+    the copy: LayoutCopyRequiredError, an instance of every class stock
+    raises for such tensors (PyTorch's BufferError for the conjugate,
+    jaxlib's runtime error for a strided view)."""
+    t = type(obj)
+    torch_type = _TORCH_TYPES.get(t)
+    if torch_type is None:
+        torch_type = _TORCH_TYPES[t] = any(
+            c.__name__ == "Tensor" and c.__module__ == "torch" for c in t.__mro__)
+    if not torch_type or not (obj.is_conj() or obj.is_neg()):
+        return obj, False
+    bit, test = ("conjugate", "is_conj") if obj.is_conj() else ("negative", "is_neg")
+    if copy is False:
+        raise LayoutCopyRequiredError(
+            f"Specified input which requires a copy since the PyTorch tensor has "
+            f"its lazy {bit} bit set ({test}() is True): its memory holds the "
+            "values before that view, and neither __dlpack__ nor "
+            "__cuda_array_interface__ carries the bit, so only a resolved copy "
+            "reads right. However copy=False. Call tensor.resolve_conj()."
+            "resolve_neg() first, or set copy=True or copy=None.")
+    try:
+        return obj.resolve_conj().resolve_neg(), True
+    except RuntimeError as e:  # no negation in PyTorch for bool, uint16-64, float8
+        raise like_stock(BufferError(
+            f"the PyTorch tensor ({obj.dtype}) has its lazy {bit} bit set, and PyTorch "
+            f"cannot resolve it ({type(e).__name__}: {e}); its memory alone does not "
+            "hold its values, so it is not imported: convert it to a dtype PyTorch "
+            "negates first"), JaxRuntimeError) from e
 
 
 # Tests set this to run the whole path on host memory (kDLCPU, no driver).
@@ -229,5 +271,6 @@ def from_cuda_array_interface(obj: Any, *,
     * Refusals of ``copy=False`` raise :class:`CopyRequiredError`, both the
       protocols' ``BufferError`` and stock JAX's ``ValueError``.
     """
+    obj, resolved = resolve_lazy(obj, copy)
     arr, copied = import_cai(obj, copy=copy)
-    return finish(arr, copied, device=device, copy=copy)
+    return finish(arr, copied or resolved, device=device, copy=copy)

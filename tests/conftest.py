@@ -79,5 +79,6 @@ def pytest_terminal_summary(terminalreporter):
             f"drop-in differential: {cases} cases run stock and installed; stock ok "
             f"{t['stock ok']}, stock raised {t['stock raised']}, installed works where "
             f"stock raised {t['installed works where stock raised']}, stock unsafe and "
-            f"installed right {t['stock unsafe, installed right']}; differences "
+            f"installed right {t['stock unsafe, installed right']}, stock unsafe and "
+            f"installed refused {t['stock unsafe, installed refused']}; differences "
             f"{t['differences']}")

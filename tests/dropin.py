@@ -225,7 +225,7 @@ def differential(cases):
     was = jax_overlay.installed()
     diffs = []
     counts = {"stock ok": 0, "stock raised": 0, "installed works where stock raised": 0,
-              "stock unsafe, installed right": 0}
+              "stock unsafe, installed right": 0, "stock unsafe, installed refused": 0}
     try:
         for label, thunk, truth in cases:
             want = truth() if truth is not None else None
@@ -245,8 +245,14 @@ def differential(cases):
             if why is not None:
                 why = f"installed {ours.describe()}: {why}"
             elif unsafe is not None:
-                counts["stock unsafe, installed right"] += 1
-                if ours.error is not None:
+                # Installed reads the right values, or refuses as the
+                # protocols refuse (BufferError: copy=False where only a
+                # copy reads right).
+                if ours.error is None:
+                    counts["stock unsafe, installed right"] += 1
+                elif isinstance(ours.error, BufferError):
+                    counts["stock unsafe, installed refused"] += 1
+                else:
                     why = f"stock {stock.describe()} (unsafe: {unsafe}), installed {ours.describe()}"
             else:
                 why = compare(stock, ours)

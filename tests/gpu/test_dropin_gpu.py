@@ -64,7 +64,7 @@ TORCH_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "int64", "f
 
 def _torch_truth(t):
     torch = _torch()
-    t = t.detach().resolve_conj().resolve_neg().cpu()
+    t = t.detach().resolve_conj().resolve_neg().cpu()  # the lazy bits applied
     if t.dtype == torch.bfloat16:
         return t.float().numpy().astype(ml_dtypes.bfloat16)
     return t.numpy()
@@ -90,6 +90,16 @@ def _torch_producers(name):
         out["requires_grad"] = lambda: base().requires_grad_(True)
     if dtype.is_complex:
         out["conj_view"] = lambda: base().conj()
+        # A negative view, the usual way: neither the CAI (stock
+        # jnp.asarray's route) nor __dlpack__ carries its sign.
+        out["conj_imag"] = lambda: base().conj().imag
+    try:
+        torch._neg_view(base()).resolve_neg()
+    except RuntimeError:  # no negation on the GPU for this dtype: see below
+        pass
+    else:
+        out["neg_view"] = lambda: torch._neg_view(base())
+        out["neg_view_strided"] = lambda: torch._neg_view(base())[:, ::2]
     return out
 
 
@@ -98,6 +108,35 @@ def test_torch_imports_match_stock(name):
     cases = D.import_cases(D.IMPORTS, _torch_producers(name), COORDS, _torch_truth)
     _check(*D.differential(cases))
     _torch().cuda.synchronize()
+
+
+@pytest.mark.parametrize("entry", ["jnp.asarray", "jnp.array", "jax.dlpack.from_dlpack",
+                                   "jnp.from_dlpack", "device_put"])
+def test_torch_negative_views_it_cannot_negate_are_refused(installed, entry):
+    """A negative view of bool: PyTorch has no negation for it, so its
+    values exist nowhere (stock reads the memory as it is); installed
+    refuses it, as an instance of both classes stock raises at these entry
+    points for a tensor it cannot read."""
+    torch = _torch()
+    t = torch._neg_view(torch.ones(3, dtype=torch.bool, device="cuda"))
+    with pytest.raises(BufferError, match="cannot resolve") as e:
+        ENTRIES[entry](t)
+    assert isinstance(e.value, jax.errors.JaxRuntimeError if entry != "device_put" else TypeError)
+
+
+@pytest.mark.parametrize("view", ["conj()", "conj().imag", "_neg_view"])
+def test_torch_lazy_views_read_right_through_the_cai(view):
+    """jax_overlay.from_cuda_array_interface of a conjugate or negative
+    view: PyTorch's CAI describes the memory without the bit, so the
+    tensor is resolved first (a copy); copy=False refuses."""
+    torch = _torch()
+    z = torch.complex(torch.arange(1.0, 9.0), torch.arange(2.0, 10.0)).cuda()
+    t = eval(f"z.{view}" if view != "_neg_view" else "torch._neg_view(z.real)",
+             {"z": z, "torch": torch})
+    got = jax_overlay.from_cuda_array_interface(t)
+    np.testing.assert_array_equal(np.asarray(got), _torch_truth(t))
+    with pytest.raises(BufferError, match="lazy"):
+        jax_overlay.from_cuda_array_interface(t, copy=False)
 
 
 NUMBA_LAYOUTS = ("aligned", "unaligned", "strided", "transposed", "empty", "mapped", "managed")
