@@ -2,7 +2,7 @@
 every entry point x PyTorch dtype x layout (including its lazy conjugate and
 negative views, tensors requiring grad, Parameters and sparse tensors) x copy
 x device, stock JAX and installed in one process, each result checked
-against the tensor's own values.  Skipped where PyTorch is not installed:
+against the tensor's own values; and JAX arrays read by PyTorch.  Skipped where PyTorch is not installed:
 CI installs the CPU build in its jax 0.10 environment (.ci/run)."""
 
 from __future__ import annotations
@@ -144,3 +144,31 @@ def test_the_truth_sees_the_bits():
     np.testing.assert_array_equal(truth(t), [-1.0, -2.0, -3.0])
     assert D.wrong(jnp.asarray([1.0, 2.0, 3.0]), truth(t)) == "values are not the producer's"
     assert not jax_overlay.installed()
+
+
+def _export_cases(dtype):
+    """JAX CPU arrays read by PyTorch, through DLPack and through NumPy."""
+    def x():
+        return jnp.asarray(D.values((8, 16), dtype))
+    reads = {
+        "torch.from_dlpack": lambda: torch.from_dlpack(x()),
+        "torch.from_dlpack(.T)": lambda: torch.from_dlpack(x().T),
+        "torch.from_dlpack(0-d)": lambda: torch.from_dlpack(x()[0, 0]),
+        "torch.from_dlpack(empty)": lambda: torch.from_dlpack(x()[:0]),
+        "torch.utils.dlpack.from_dlpack(capsule)":
+            lambda: torch.utils.dlpack.from_dlpack(x().__dlpack__()),
+        "torch.as_tensor": lambda: torch.as_tensor(x()),
+        "torch.tensor": lambda: torch.tensor(x()),
+        "torch.asarray": lambda: torch.asarray(x()),
+    }
+    for name, read in reads.items():
+        yield name, lambda read=read: truth(read()), None
+
+
+# torch.asarray reads a JAX CPU array through the buffer protocol, read-only,
+# and says so once per process, stock and installed alike.
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+@pytest.mark.parametrize("dtype", D.DTYPES, ids=str)
+def test_torch_reads_exports_as_on_stock(dtype):
+    with rt.x64(True):
+        _check(*D.differential(_export_cases(dtype)))
