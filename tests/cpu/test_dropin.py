@@ -219,3 +219,60 @@ def test_the_comparison_can_fail():
     class Both(BufferError, ValueError):
         pass
     assert D.compare(D.Outcome(error=ValueError("x")), D.Outcome(error=Both("x"))) is None
+
+
+# --- third-party host producers ----------------------------------------------
+
+def _arrow():
+    pa = pytest.importorskip("pyarrow")
+    f32 = np.dtype(np.float32)
+    return {
+        "pyarrow_float32": (lambda: pa.array(D.values((16,), f32)), True),
+        "pyarrow_int64": (lambda: pa.array(D.values((16,), np.dtype(np.int64))), True),
+        "pyarrow_slice": (lambda: pa.array(D.values((16,), f32))[3:], True),
+        # DLPack refuses these (nulls, bit-packed booleans, timestamps);
+        # JAX's own path reads the first two through NumPy.
+        "pyarrow_nulls": (lambda: pa.array([1.0, None, 3.0]), False),
+        "pyarrow_bool": (lambda: pa.array([True, False, True]), False),
+        "pyarrow_timestamp": (lambda: pa.array(np.arange(3).astype("datetime64[s]")), False),
+        "pyarrow_chunked": (lambda: pa.chunked_array([[1.0, 2.0], [3.0]]), False),
+    }
+
+
+def _array_api_strict():
+    xp = pytest.importorskip("array_api_strict")
+    out = {}
+    for dtype in map(np.dtype, (np.float32, np.float64, np.int64, np.bool_)):
+        for layout in ("aligned", "unaligned", "transposed", "empty"):
+            out[f"array_api_strict_{dtype}_{layout}"] = (
+                lambda dtype=dtype, layout=layout: xp.asarray(
+                    D.layout(D.values((8, 16), dtype), layout)), True)
+    return out
+
+
+def _values_of(obj):
+    if hasattr(obj, "to_numpy"):  # pyarrow, where it holds plain values
+        return obj.to_numpy()
+    return np.asarray(obj._array)  # array_api_strict wraps a NumPy array
+
+
+# JAX's own asarray compares the reference array's dtype with NumPy's, and
+# array_api_strict warns about it, stock and installed alike.
+@pytest.mark.filterwarnings("ignore:You are comparing a array_api_strict dtype")
+# pyarrow deprecates the unversioned __dlpack__() call that stock's from_dlpack
+# makes (installed asks for DLPack 1.x).
+@pytest.mark.filterwarnings("ignore:Exporting an unversioned DLPack capsule")
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("library", ["pyarrow", "array_api_strict"])
+def test_third_party_host_producers_match_stock(library, x64):
+    """Real producers of __dlpack__ on the host: pyarrow's arrays (with
+    nulls, bit-packed booleans and types DLPack refuses) and the Array API's
+    reference array.  The data is D.values', aligned the same in both runs
+    (jaxlib views host memory only when 64-byte aligned)."""
+    table = _arrow() if library == "pyarrow" else _array_api_strict()
+    cases = []
+    for name, (make, plain) in table.items():
+        cases += D.import_cases(D.IMPORTS, {name: make}, _coords(),
+                                (lambda o: _values_of(o)) if plain else None)
+    with rt.x64(x64):
+        _check(*D.differential(cases))
