@@ -176,7 +176,23 @@ def same_result(a, b):
         if _host_bytes(a) != _host_bytes(b):
             return "values differ"
         return None
-    if isinstance(a, (tuple, int, str, type(None))):
+    if isinstance(a, (tuple, list)):  # pytrees (device_put's), pairs of ints
+        if len(a) != len(b):
+            return f"length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            why = same_result(x, y)
+            if why is not None:
+                return f"[{i}]: {why}"
+        return None
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return f"keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            why = same_result(a[k], b[k])
+            if why is not None:
+                return f"[{k!r}]: {why}"
+        return None
+    if isinstance(a, (int, float, str, type(None))):
         return None if a == b else f"{a!r} != {b!r}"
     return None  # capsules and the like are compared through their consumers
 

@@ -215,6 +215,10 @@ def test_the_comparison_can_fail():
     assert D.compare(D.Outcome(x), D.Outcome(error=ValueError("x")))
     assert D.compare(D.Outcome(error=ValueError("x")), D.Outcome(error=BufferError("x")))
     assert D.compare(D.Outcome(error=ValueError("x")), D.Outcome(x)) is None
+    # Pytrees, element by element.
+    assert D.compare(D.Outcome((x, {"a": x})), D.Outcome((x, {"a": x + 1})))
+    assert D.compare(D.Outcome([x]), D.Outcome([x, x]))
+    assert D.compare(D.Outcome((x, {"a": x})), D.Outcome((x, {"a": x}))) is None
 
     class Both(BufferError, ValueError):
         pass
@@ -276,3 +280,71 @@ def test_third_party_host_producers_match_stock(library, x64):
                                 (lambda o: _values_of(o)) if plain else None)
     with rt.x64(x64):
         _check(*D.differential(cases))
+
+
+# --- the calls JAX code makes every day ----------------------------------------
+
+class _JaxArrayLike:
+    """An object JAX converts through __jax_array__."""
+
+    def __jax_array__(self):
+        return jnp.arange(3)
+
+
+def _everyday():
+    """(label, thunk) for inputs install() must leave to JAX: tracers under
+    jit, vmap and grad, __jax_array__ objects, the buffer protocol, Python
+    scalars and strings, masked arrays, pytrees for device_put."""
+    import array
+
+    x = jnp.arange(4.0)
+    cpu = jax.devices("cpu")[0]
+    calls = {
+        "jit(asarray)": lambda: jax.jit(lambda v: jnp.asarray(v) * 2)(x),
+        "jit(array)": lambda: jax.jit(lambda v: jnp.array(v) * 2)(x),
+        "jit(array, copy=False)": lambda: jax.jit(lambda v: jnp.array(v, copy=False))(x),
+        "jit(asarray, dtype)": lambda: jax.jit(lambda v: jnp.asarray(v, jnp.int32))(x),
+        "jit(device_put)": lambda: jax.jit(lambda v: jax.device_put(v) * 2)(x),
+        "jit(asarray of a list of tracers)": lambda: jax.jit(
+            lambda v: jnp.asarray([v[0], v[1]]))(x),
+        "jit(from_dlpack of a tracer)": lambda: jax.jit(jax.dlpack.from_dlpack)(x),
+        "jit(jnp.from_dlpack of a tracer)": lambda: jax.jit(jnp.from_dlpack)(x),
+        "vmap(asarray)": lambda: jax.vmap(lambda v: jnp.asarray(v) + 1)(x),
+        "vmap(array, ndmin)": lambda: jax.vmap(lambda v: jnp.array(v, ndmin=2))(x),
+        "grad(asarray)": lambda: jax.grad(lambda v: jnp.asarray(v).sum())(x),
+        "grad(array, dtype)": lambda: jax.grad(lambda v: jnp.array(v, jnp.float32).sum())(x),
+        "grad(device_put)": lambda: jax.grad(lambda v: jax.device_put(v).sum())(x),
+        "asarray(__jax_array__)": lambda: jnp.asarray(_JaxArrayLike()),
+        "array(__jax_array__)": lambda: jnp.array(_JaxArrayLike()),
+        "device_put(__jax_array__)": lambda: jax.device_put(_JaxArrayLike()),
+        "asarray(memoryview)": lambda: jnp.asarray(memoryview(np.arange(3.0))),
+        "asarray(array.array)": lambda: jnp.asarray(array.array("f", [1, 2])),
+        "asarray(bytes)": lambda: jnp.asarray(b"abc"),
+        "asarray(str)": lambda: jnp.asarray("a"),
+        "asarray(object array)": lambda: jnp.asarray(np.array([object()])),
+        "asarray(masked)": lambda: jnp.asarray(np.ma.masked_array([1.0, 2.0], mask=[0, 1])),
+        "array(masked, copy=False)": lambda: jnp.array(
+            np.ma.masked_array([1.0, 2.0], mask=[0, 1]), copy=False),
+        "asarray(np.float64)": lambda: jnp.asarray(np.float64(2)),
+        "asarray(ShapeDtypeStruct)": lambda: jnp.asarray(jax.ShapeDtypeStruct((2,), jnp.float32)),
+        "asarray(nested lists)": lambda: jnp.asarray([[1, 2], [3, 4.5]]),
+        "asarray(list of arrays)": lambda: jnp.asarray([x, x]),
+        "array(list of arrays, device)": lambda: jnp.array([x, x], device=cpu),
+        "device_put(tuple)": lambda: jax.device_put((np.ones(2), 3.0)),
+        "device_put(dict, cpu)": lambda: jax.device_put({"a": np.ones(2), "b": [1, x]}, cpu),
+        "device_put(None)": lambda: jax.device_put(None),
+        "device_put(list, donate)": lambda: jax.device_put([np.ones(2)], donate=True),
+        "from_dlpack(list)": lambda: jax.dlpack.from_dlpack([1, 2]),
+        "from_dlpack(jax array)": lambda: jax.dlpack.from_dlpack(x),
+        "jnp.from_dlpack(jax array, cpu)": lambda: jnp.from_dlpack(x, device=cpu),
+    }
+    for label, call in calls.items():
+        yield label, call, None
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+def test_everyday_calls_match_stock(x64):
+    with rt.x64(x64):
+        diffs, counts = D.differential(_everyday())
+    assert counts["stock ok"] >= 20 and counts["stock raised"] >= 5
+    assert not diffs, "\n".join(diffs)
