@@ -5,7 +5,7 @@ host synchronisation beyond what the library itself does.
 
 Frameworks: ``"numpy"`` (host buffers, the CPU backend); ``"torch"``,
 ``"cupy"`` and ``"numba"`` (device buffers, on XLA's own CUDA stream; see
-``_foreign_gpu``).
+``_foreign_gpu``); ``"torch"`` also on host buffers (the CPU backend).
 
 Lifetime: the views given to ``fn`` are XLA's buffers for the duration of
 the call only.  Inputs are views XLA still owns (read-only where the
@@ -46,7 +46,7 @@ def foreign_stream() -> Any:
     """The stream of the foreign call running on this thread, in its
     framework's type: ``torch.cuda.ExternalStream``,
     ``cupy.cuda.ExternalStream`` or a Numba external stream, each wrapping
-    XLA's own stream; None for ``"numpy"``.  PyTorch and CuPy already have
+    XLA's own stream; None for ``"numpy"`` and for ``"torch"`` on the CPU.  PyTorch and CuPy already have
     it current; Numba kernels take it at launch:
     ``kernel[blocks, threads, jax_overlay.foreign_stream()](...)``."""
     stack = getattr(_local, "streams", None)
@@ -217,10 +217,15 @@ def _kept(tokens):
             "e.g. np.array(x), x.clone() or x.copy() instead of x")
 
 
+# Where each framework runs: "gpu", "cpu" or both (None).
+_PLACES = {"numpy": "cpu", "torch": None, "cupy": "gpu", "numba": "gpu"}
+
+
 def _check_placement(args, framework):
     """Concrete inputs that no foreign call can take: sharded, pinned, or on
     the wrong kind of device.  (Traced inputs are checked in the call.)"""
-    gpu = framework != "numpy"
+    place = _PLACES[framework]
+    gpu = place == "gpu"
     for i, x in enumerate(jax.tree_util.tree_leaves(args)):
         sharding = getattr(x, "sharding", None)
         if not isinstance(x, jax.Array) or sharding is None or isinstance(x, jax.core.Tracer):
@@ -236,11 +241,12 @@ def _check_placement(args, framework):
                 f"input {i} is in pinned host memory; a foreign function reads device memory: "
                 "move it first (jax.device_put(x, x.sharding.with_memory_kind('device')))")
         platform = next(iter(devices)).platform
-        if gpu != (platform in ("gpu", "cuda", "rocm")):
+        if place is not None and gpu != (platform in ("gpu", "cuda", "rocm")):
             raise ValueError(
                 f"input {i} is on {platform}, and framework={framework!r} runs on "
                 f"{'CUDA GPUs' if gpu else 'the CPU'}: "
-                + ("use framework='numpy' for CPU arrays, or jax.device_put(x, jax.devices('gpu')[0])"
+                + ("use framework='numpy' or 'torch' for CPU arrays, or "
+                   "jax.device_put(x, jax.devices('gpu')[0])"
                    if gpu else "use framework='torch', 'cupy' or 'numba' for GPU arrays, or "
                    "jax.device_put(x, jax.devices('cpu')[0])"))
 
@@ -254,7 +260,8 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
     * ``framework``: ``"numpy"`` runs on views of XLA's host buffers (the
       CPU backend); ``"torch"``, ``"cupy"`` and ``"numba"`` on views of its
       device buffers, on XLA's own CUDA stream (PyTorch and CuPy have it
-      current; Numba kernels take ``jax_overlay.foreign_stream()``).
+      current; Numba kernels take ``jax_overlay.foreign_stream()``);
+      ``"torch"`` also on the CPU backend, as CPU tensors.
     * ``result_shape_dtypes``: a pytree of ``jax.ShapeDtypeStruct``, or a
       function of the inputs' shapes and dtypes (as ShapeDtypeStructs)
       returning one.

@@ -1,6 +1,8 @@
 """The GPU frameworks of ``jax_overlay.foreign``: views of XLA's device
 buffers as PyTorch tensors, CuPy arrays and Numba device arrays, made with
 no copy, and XLA's own CUDA stream as the framework's stream for the call.
+PyTorch also runs on the CPU backend, on views of XLA's host buffers (no
+stream).
 
 Ordering: the callback runs on the host when XLA reaches it in its stream,
 possibly before the GPU has finished the work before it.  PyTorch and CuPy
@@ -29,7 +31,7 @@ from . import _streams
 from . import _xla_ext as ext
 from ._foreign import ForeignError, _mismatch
 
-_KDL_CUDA, _KDL_CUDAHOST = 2, 3
+_KDL_CPU, _KDL_CUDA, _KDL_CUDAHOST = 1, 2, 3
 _LEGACY, _PER_THREAD = 1, 2  # the CUDA driver's stream handles
 
 
@@ -112,7 +114,7 @@ class _Gpu:
                          "(jax.device_put(x, x.sharding.with_memory_kind('device')))"
                          if kind == _KDL_CUDAHOST else
                          f"DLPack device {kind} (the CPU backend is 1); framework='numpy' "
-                         "runs there, or put the inputs on the GPU")
+                         "and 'torch' run there, or put the inputs on the GPU")
                 raise ForeignError(f"framework={self.name!r} runs on CUDA device buffers; "
                                    f"buffer {i} of this call is in {where}")
             if ordinal is None:
@@ -165,14 +167,24 @@ class _Torch(_Gpu):
     def wrap(self, handle, ordinal):
         return _streams.torch_stream(self.torch, handle, ordinal)
 
+    def ordinal(self, buffers):
+        """The GPU of the call's buffers, or None where all are host
+        buffers: the CPU backend, where PyTorch runs on CPU tensors."""
+        if all(b.__dlpack_device__()[0] == _KDL_CPU for b in buffers):
+            return None
+        return super().ordinal(buffers)
+
     def enter(self, ctx, ordinal):
+        if ordinal is None:  # host tensors: no stream to make current
+            return None, None
         stream = self.stream(ctx.stream, ordinal)
         state = stream if self.native_with else self.torch.cuda.stream(stream)
         state.__enter__()
         return stream, state
 
     def exit(self, state):
-        state.__exit__(None, None, None)
+        if state is not None:
+            state.__exit__(None, None, None)
 
     def dtype(self, dtype):
         t = getattr(self.torch, dtype.name, None)
@@ -186,8 +198,9 @@ class _Torch(_Gpu):
     def view(self, b, writeable, tokens):
         torch = self.torch
         if not math.prod(b.shape):  # no memory to view
+            kind, ordinal = b.__dlpack_device__()
             return torch.empty(b.shape, dtype=self.dtype(np.dtype(b.dtype)),
-                               device=f"cuda:{b.__dlpack_device__()[1]}")
+                               device="cpu" if kind == _KDL_CPU else f"cuda:{ordinal}")
         # XLA's own capsule describes the buffer; the one PyTorch takes
         # holds the token until PyTorch frees the storage, which every view
         # of this tensor shares.  XLA's capsule is dropped unconsumed.

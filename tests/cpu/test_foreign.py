@@ -255,7 +255,7 @@ def test_one_callback_per_signature(monkeypatch):
     assert len(made) == 2
 
 
-@pytest.mark.parametrize("name", ["torch", "cupy", "numba"])
+@pytest.mark.parametrize("name", ["cupy", "numba"])
 def test_gpu_frameworks_refuse_cpu_arrays_before_importing_anything(name):
     f = jax_overlay.foreign(lambda x: x, framework=name, result_shape_dtypes=SAME)
     with pytest.raises(ValueError, match=f"input 0 is on cpu, and framework='{name}' runs on CUDA"):
