@@ -316,12 +316,26 @@ def test_errors_reach_the_caller(framework):
     np.testing.assert_array_equal(np.asarray(ok(jnp.ones(3))), 2)
 
 
-def test_pinned_and_cpu_inputs_are_refused_with_what_to_do():
-    _torch()
-    f = jax_overlay.foreign(lambda x: x, framework="torch", result_shape_dtypes=SAME)
+def test_pinned_inputs_are_refused_and_cpu_inputs_go_where_the_framework_runs():
+    torch = _torch()
+    seen = []
+
+    def fn(x):
+        seen.append(x.device.type)
+        return x * 2
+    f = jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=SAME)
     dev = jax.devices()[0]
     pinned = jax.device_put(jnp.ones(4), jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
     with pytest.raises(ValueError, match="pinned host memory.*with_memory_kind"):
         f(pinned)
+    # PyTorch runs on the CPU backend too, as CPU tensors, beside the GPU.
+    cpu = jax.devices("cpu")[0]
+    y = jax.jit(f)(jax.device_put(jnp.ones(4), cpu))
+    assert y.devices() == {cpu} and seen == ["cpu"]
+    np.testing.assert_array_equal(np.asarray(y), 2)
+    y = f(jnp.ones(4))
+    assert y.devices() == {dev} and seen == ["cpu", "cuda"]
+    assert torch.cuda.current_stream().cuda_stream == torch.cuda.default_stream().cuda_stream
     with pytest.raises(ValueError, match="input 0 is on cpu"):
-        f(jax.device_put(jnp.ones(4), jax.devices("cpu")[0]))
+        jax_overlay.foreign(lambda x: x, framework="cupy", result_shape_dtypes=SAME)(
+            jax.device_put(jnp.ones(4), cpu))
