@@ -170,7 +170,9 @@ class _Torch(_Gpu):
     def ordinal(self, buffers):
         """The GPU of the call's buffers, or None where all are host
         buffers: the CPU backend, where PyTorch runs on CPU tensors."""
-        if all(b.__dlpack_device__()[0] == _KDL_CPU for b in buffers):
+        # One look at the first buffer on the GPU's path (its hot one).
+        if (buffers and buffers[0].__dlpack_device__()[0] == _KDL_CPU
+                and all(b.__dlpack_device__()[0] == _KDL_CPU for b in buffers)):
             return None
         return super().ordinal(buffers)
 
