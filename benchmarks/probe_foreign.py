@@ -6,8 +6,9 @@ foreign - bare callback is jax_overlay's own share (pytrees, views, tokens,
 the stream context, checks); bare callback - plain jit is the mechanism's
 floor.
 
-  --backend cpu  framework "numpy" on the CPU backend
-  --backend gpu  framework "torch" on the GPU (needs PyTorch with CUDA)
+  --backend cpu        framework "numpy" on the CPU backend
+  --backend cpu-torch  framework "torch" on the CPU backend (CPU tensors)
+  --backend gpu        framework "torch" on the GPU (needs PyTorch with CUDA)
 
     python benchmarks/probe_foreign.py [--backend cpu] [--rounds 15] [--calls 300] [--n 1024]
         [--profile CALLS [--top 30]] [--json FILE]
@@ -80,6 +81,21 @@ def _cpu_cases(x, spec):
     return ("numpy", bare, lambda a: a * 2, into), f"jax {jax.__version__}, CPU backend"
 
 
+def _cpu_torch_cases(x, spec):
+    import torch
+    import torch.utils.dlpack
+
+    def bare(ctx, out, a):
+        # XLA's capsules taken as they are; no stream on the host.
+        o = torch.utils.dlpack.from_dlpack(out.__dlpack__())
+        o.copy_(torch.utils.dlpack.from_dlpack(a.__dlpack__()) * 2)
+
+    def into(a, out):
+        torch.mul(a, 2, out=out)
+    return (("torch", bare, lambda a: a * 2, into),
+            f"jax {jax.__version__}, torch {torch.__version__}, CPU backend")
+
+
 def _gpu_cases(x, spec):
     import torch
     import torch.utils.dlpack
@@ -104,7 +120,7 @@ def _gpu_cases(x, spec):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--backend", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--backend", choices=("cpu", "cpu-torch", "gpu"), default="cpu")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--n", type=int, default=1024)
@@ -114,10 +130,11 @@ def main():
     p.add_argument("--json", default="", help="also write the table here")
     args = p.parse_args()
     x = jnp.linspace(-1, 1, args.n, dtype=jnp.float32)
-    if args.backend == "cpu":
+    if args.backend != "gpu":
         x = jax.device_put(x, jax.devices("cpu")[0])
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    (framework, bare, fn, into), env = (_cpu_cases if args.backend == "cpu" else _gpu_cases)(x, spec)
+    make_cases = {"cpu": _cpu_cases, "cpu-torch": _cpu_torch_cases, "gpu": _gpu_cases}[args.backend]
+    (framework, bare, fn, into), env = make_cases(x, spec)
     make = _foreign._make_callback
     cases = {
         "jit, no callback": jax.jit(lambda v: v * 2),
