@@ -129,6 +129,26 @@ def test_grad_through_pytorch_autograd_matches_jax():
         np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-6)
 
 
+def test_autograd_with_integer_pytree_and_unused_inputs():
+    """Integer inputs get float0 cotangents, pytrees keep their structure,
+    and an input fn does not use gets zeros."""
+    def fn(x, n, d):
+        return x * n.to(x.dtype) + d["a"] ** 2
+    f = torch_fn(fn, lambda x, n, d: x, vjp="autograd")
+    x = on_cpu(jnp.linspace(0, 1, 5, dtype=jnp.float32))
+    n = on_cpu(jnp.arange(5, dtype=jnp.int32))
+    d = {"a": on_cpu(jnp.full(5, 2.0, jnp.float32))}
+    got = jax.jit(jax.grad(lambda x, n, d: f(x, n, d).sum(), argnums=(0, 2)))(x, n, d)
+    want = jax.grad(lambda x, n, d: (x * n.astype(x.dtype) + d["a"] ** 2).sum(),
+                    argnums=(0, 2))(x, n, d)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]["a"]), np.asarray(want[1]["a"]))
+    unused = torch_fn(lambda x, y: x * 2, lambda x, y: x, vjp="autograd")
+    gx, gy = jax.grad(lambda x, y: unused(x, y).sum(), argnums=(0, 1))(x, x)
+    np.testing.assert_array_equal(np.asarray(gx), 2.0)
+    np.testing.assert_array_equal(np.asarray(gy), 0.0)
+
+
 def test_a_kept_view_is_detected():
     kept = []
 
