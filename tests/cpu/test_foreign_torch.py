@@ -149,6 +149,16 @@ def test_autograd_with_integer_pytree_and_unused_inputs():
     np.testing.assert_array_equal(np.asarray(gy), 0.0)
 
 
+def test_lazy_outputs_are_written_with_their_values():
+    """A negative or conjugate view returned by fn is copied into XLA's
+    output with its bit applied (PyTorch's copy_ resolves it)."""
+    neg = torch_fn(lambda x: torch._neg_view(x.clone()))
+    np.testing.assert_array_equal(np.asarray(neg(on_cpu(jnp.arange(3.0)))), [0.0, -1.0, -2.0])
+    conj = torch_fn(lambda z: z.conj())
+    np.testing.assert_array_equal(np.asarray(conj(on_cpu(jnp.array([1 + 2j], jnp.complex64)))),
+                                  [1 - 2j])
+
+
 def test_a_kept_view_is_detected():
     kept = []
 
