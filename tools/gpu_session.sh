@@ -9,7 +9,8 @@
 #   for t in base:$B main:HEAD; do
 #     mkdir -p build/jax_interop_src/${t%%:*}; git --git-dir=$R archive ${t#*:} \
 #       tests/array_interoperability_test.py | tar -x -C build/jax_interop_src/${t%%:*}; done
-#   bash tools/gpu_session.sh 1   the GPU suite (+ Numba under NumPy 2.4.6),
+#   bash tools/gpu_session.sh 1   the GPU suite (+ Numba under NumPy 2.4.6;
+#                                 + the PyTorch CPU tests, with this PyTorch),
 #                                 the doctor, the drop-in A/B
 #   bash tools/gpu_session.sh 2   the Numba frees probe, JAX's interop tests
 #                                 (both trees), the foreign probes and
@@ -29,7 +30,8 @@ trap tarball EXIT
 case "${1:-}" in
 1)
   DOCTOR=1 TEST_TIMEOUT=${TEST_TIMEOUT:-270} DOCTOR_TIMEOUT=100 NUMBA_NUMPY_WHEEL=$W OUT=$O \
-    bash tools/gpu_suite.sh tests/gpu >"$O/suite.txt" 2>&1
+    bash tools/gpu_suite.sh tests/gpu tests/cpu/test_dropin_torch.py tests/cpu/test_foreign_torch.py \
+    >"$O/suite.txt" 2>&1
   echo "suite exit status $?" | tee -a "$O/suite.txt"; tarball
   grep -E "passed|failed" "$O/suite.txt" | tail -4
   grep -E "^(FAILED|ERROR)" "$O/suite.txt" | head -30
