@@ -14,6 +14,7 @@ from . import _exports
 from . import _imports
 from . import _runtime as rt
 from . import _xla_ext as ext
+from ._errors import JaxRuntimeError, like_stock
 
 KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED = 1, 2, 3, 13
 _NAMES = {KDLCPU: "kDLCPU", KDLCUDA: "kDLCUDA", KDLCUDAHOST: "kDLCUDAHost",
@@ -43,10 +44,13 @@ def _dtype(code, bits, lanes):
         why = ("JAX dtypes have one lane (no vector types)" if lanes != 1 else
                "sub-byte types are not imported" if 0 < bits < 8 else
                "JAX has no such dtype")
-        raise BufferError(
+        # jaxlib's own import refuses these with its runtime error: that
+        # class too, for stock's callers.
+        raise like_stock(BufferError(
             f"the DLPack dtype (code {code}, bits {bits}, lanes {lanes}) cannot be "
             f"imported: {why}; JAX holds bool, (u)int8-64, float16-64, "
-            "complex64/128, bfloat16 and float8 types: convert the tensor first")
+            "complex64/128, bfloat16 and float8 types: convert the tensor first"),
+            JaxRuntimeError)
     return dtype
 
 
@@ -67,8 +71,10 @@ def device_of(x):
 def jax_device_of(x):
     """The JAX device stock JAX assigns to a producer's memory (kDLCPU: the
     CPU device of that id; kDLCUDA and kDLCUDAHost: that GPU), or None for
-    a type it does not map."""
+    a type it does not map (kDLCUDAHost on jax 0.10: stock refuses it)."""
     dl_type, dl_id = device_of(x)
+    if dl_type not in _STOCK_PLATFORMS:
+        return None
     if dl_type == KDLCPU:
         return rt.host_device() if dl_id == 0 else None
     if dl_type in (KDLCUDA, KDLCUDAHOST):
@@ -76,12 +82,47 @@ def jax_device_of(x):
     return None
 
 
+def _stock_platforms():
+    """Stock from_dlpack's table: DLPack device type -> JAX platform.  A
+    type it lacks is its TypeError; a platform this process has no backend
+    for, its RuntimeError ("Unknown backend").  Read from the installed jax
+    (jax 0.10 maps kDLCPU, kDLCUDA and kDLROCM; 0.12 also kDLCUDAHost and
+    others); never kDLCUDAManaged."""
+    from jax._src import dlpack as stock
+    table = getattr(stock, "_DL_DEVICE_TO_PLATFORM", None) or {1: "cpu", 2: "cuda", 10: "rocm"}
+    return {int(k): v for k, v in table.items()}
+
+
+_STOCK_PLATFORMS = _stock_platforms()
+
+
+def stock_class(dl_type):
+    """The class stock from_dlpack raises for a producer of `dl_type` that it
+    cannot take: TypeError for a type outside its table, else
+    RuntimeError (no backend for it, or jaxlib's refusal)."""
+    return TypeError if dl_type not in _STOCK_PLATFORMS else RuntimeError
+
+
+def _refused_by_stock_as(x):
+    """The class stock from_dlpack raises for `x` whatever else it is asked,
+    or None: TypeError for a raw capsule (stock takes producers only) and
+    for a device type outside its table (kDLCUDAManaged; kDLCUDAHost on
+    jax 0.10).  A refusal of such an input is an instance of it too."""
+    if type(x) is CapsuleType:
+        return TypeError
+    try:
+        dl_type = device_of(x)[0]
+    except Exception:  # no __dlpack_device__, or one that raises: stock's own error
+        return None
+    return TypeError if dl_type not in _STOCK_PLATFORMS else None
+
+
 def _check_type(dl_type):
     if dl_type not in _NAMES:
-        raise BufferError(
+        raise like_stock(BufferError(
             f"DLPack device type {dl_type} is not one JAX can hold; jax_overlay "
             "imports kDLCPU (1), kDLCUDA (2), kDLCUDAHost (3) and "
-            "kDLCUDAManaged (13): copy the array to one of those first")
+            "kDLCUDAManaged (13): copy the array to one of those first"), stock_class(dl_type))
 
 
 def _request(x, stream, copy):
@@ -385,13 +426,19 @@ def from_dlpack(x: Any, /, *, device: jax.Device | jax.sharding.Sharding | None 
       (BufferError with ``copy=False``); ``device=`` and ``copy=True`` as in
       :func:`from_cuda_array_interface`.
     """
-    if device is None:  # the common call, without the checks below
-        arr, copied = _import(x, copy)
-        return _imports.finish(arr, copied, copy=copy)
-    if isinstance(device, jax.sharding.Sharding) and len(device.device_set) != 1:
-        raise ValueError(
-            f"device={device} spans {len(device.device_set)} devices; from_dlpack "
-            "imports one buffer: pass one device, then jax.device_put the result "
-            "onto the sharding")
-    arr, copied = _import(x, copy, _cpu_target(device))
-    return _imports.finish(arr, copied, device=device, copy=copy)
+    try:
+        if device is None:  # the common call, without the checks below
+            arr, copied = _import(x, copy)
+            return _imports.finish(arr, copied, copy=copy)
+        if isinstance(device, jax.sharding.Sharding) and len(device.device_set) != 1:
+            raise ValueError(
+                f"device={device} spans {len(device.device_set)} devices; from_dlpack "
+                "imports one buffer: pass one device, then jax.device_put the result "
+                "onto the sharding")
+        arr, copied = _import(x, copy, _cpu_target(device))
+        return _imports.finish(arr, copied, device=device, copy=copy)
+    except (BufferError, ValueError, TypeError, RuntimeError) as e:
+        stock = _refused_by_stock_as(x)
+        if stock is None or isinstance(e, stock):
+            raise
+        raise like_stock(e, stock) from e.__cause__

@@ -43,6 +43,24 @@ _JAX_NATIVE = frozenset({rt.ArrayImpl, np.ndarray, int, float, complex, bool,
                          list, tuple, type(None)})
 
 
+class _Refused:
+    """The overlay's import refused an object that stock's jnp.asarray and
+    jnp.array read as a generic object (it has no CAI): stock's own outcome
+    decides, with `error` as a note on its error (_stock_after)."""
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+
+def _stock_after(refused, call):
+    try:
+        return call()
+    except Exception as e:
+        e.add_note(f"jax_overlay could not import it either: {refused.error}")
+        raise
+
+
 def _foreign(obj, copy, stock_error, cai_first=True):
     """(view, copied) for a foreign array in CUDA memory (device, pinned or
     managed), else None, by the cheapest safe route the object offers
@@ -51,7 +69,9 @@ def _foreign(obj, copy, stock_error, cai_first=True):
     foreign array it cannot take.  `cai_first`: stock reads any CAI first
     (jnp.asarray, jnp.array), so a NumPy array that is also CUDA memory
     (Numba's mapped and managed arrays) is imported through its CAI; else
-    (jax.device_put) stock reads it as the NumPy array it also is."""
+    (jax.device_put) stock reads it as the NumPy array it also is.  There,
+    an object with no CAI that the import refuses gives _Refused: stock
+    reads it as any other object, and its outcome is the one to keep."""
     t = type(obj)
     if t in _JAX_NATIVE or isinstance(obj, np.generic) or hasattr(obj, "__jax_array__"):
         return None
@@ -59,6 +79,8 @@ def _foreign(obj, copy, stock_error, cai_first=True):
         # No host device: host arrays keep JAX's own path (see the module doc).
         hit = _dlpack.import_foreign(obj, copy, cai_first=cai_first)
     except (BufferError, TypeError, ValueError) as e:
+        if cai_first and not hasattr(obj, "__cuda_array_interface__"):
+            return _Refused(e)
         raise like_stock(e, stock_error) from e.__cause__
     if hit is not None and hit[0].sharding.memory_kind == "pinned_host":
         view, copied = hit
@@ -166,6 +188,9 @@ def _asarray(orig):
                            refuse=copy is False))
         if hit is None:
             return orig(a, dtype, order, copy=copy, device=device, **kwargs)
+        if type(hit) is _Refused:
+            return _stock_after(hit, lambda: orig(a, dtype, order, copy=copy, device=device,
+                                                  **kwargs))
         view, copied = hit
         if device is not None:
             view, copied = _move(view, copied, device, copy)
@@ -189,6 +214,9 @@ def _array(orig):
         if hit is None:
             return orig(object, dtype, copy=copy, order=order, ndmin=ndmin,
                         device=device, **kwargs)
+        if type(hit) is _Refused:
+            return _stock_after(hit, lambda: orig(object, dtype, copy=copy, order=order,
+                                                  ndmin=ndmin, device=device, **kwargs))
         view, copied = hit
         if device is not None:  # placed first, as in asarray above
             view, copied = _move(view, copied, device, copy)

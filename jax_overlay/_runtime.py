@@ -66,13 +66,16 @@ def gpu_device(ordinal: int):
     """The JAX device of CUDA device `ordinal` (as libcuda numbers it)."""
     dev = _devices.get(ordinal)
     if dev is None:
+        backend = gpu_backend()  # NoCudaError where there is no CUDA backend
         try:
-            dev = gpu_backend().device_from_local_hardware_id(ordinal)
+            dev = backend.device_from_local_hardware_id(ordinal)
         except Exception as e:  # jaxlib raises its own runtime error type
-            raise BufferError(
+            from ._errors import like_stock
+            # Stock JAX's import asks the same lookup: its class, too.
+            raise like_stock(BufferError(
                 f"the memory belongs to CUDA device {ordinal}, which JAX does "
-                f"not see in this process ({e}); check CUDA_VISIBLE_DEVICES"
-            ) from None
+                f"not see in this process ({e}); check CUDA_VISIBLE_DEVICES"),
+                type(e) if isinstance(e, RuntimeError) else RuntimeError) from None
         _devices[ordinal] = dev
     return dev
 

@@ -348,3 +348,72 @@ def test_everyday_calls_match_stock(x64):
         diffs, counts = D.differential(_everyday())
     assert counts["stock ok"] >= 20 and counts["stock raised"] >= 5
     assert not diffs, "\n".join(diffs)
+
+
+# --- producers JAX cannot hold -------------------------------------------------
+
+class _Unholdable:
+    """A DLPack producer of host bytes that claims device type `dl_type` and
+    DLPack dtype `dtype` (code, bits, lanes): what JAX has no way to hold."""
+
+    def __init__(self, buf, dl_type, dtype, n):
+        self.buf, self.dl_type, self.dtype, self.n = buf, dl_type, dtype, n
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        return ext.raw_capsule(self.buf, self.buf.ctypes.data, [self.n], None, self.dtype,
+                               self.dl_type, 0)
+
+    def __dlpack_device__(self):
+        return (self.dl_type, 0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="claims GPU device types over host memory: CPU-only processes")
+def test_producers_jax_cannot_hold_fail_as_on_stock():
+    """Device types stock maps to a platform with no backend here (CUDA,
+    ROCm, oneAPI: its RuntimeError) or does not map (OpenCL, Vulkan, CUDA
+    managed, 99: its TypeError; kDLCUDAHost on jax 0.10), DLPack dtypes
+    jaxlib refuses (complex32, int4, two lanes, float128, 16-bit booleans,
+    unknown codes: its runtime error), and raw capsules (stock takes
+    producers only): each refusal is an instance of stock's class."""
+    buf = D.values((64,), np.dtype(np.uint8))
+    producers = {f"device type {t}": (lambda t=t: _Unholdable(buf, t, (1, 8, 1), 16))
+                 for t in (2, 3, 4, 7, 10, 11, 13, 14, 99)}
+    for name, dtype in {"complex32": (5, 32, 1), "int4": (0, 4, 1), "uint8x2": (1, 8, 2),
+                        "float128": (2, 128, 1), "float8 code": (2, 8, 1),
+                        "bool16": (6, 16, 1), "code 99": (99, 8, 1)}.items():
+        producers[name] = lambda dtype=dtype: _Unholdable(buf, 1, dtype, 8)
+    producers["capsule of complex32"] = lambda: _Unholdable(buf, 1, (5, 32, 1), 8).__dlpack__()
+    producers["consumed capsule"] = lambda: _consumed(D.values((4,), np.dtype(np.float32)))
+    diffs, counts = D.differential(D.import_cases(D.IMPORTS, producers, _coords()))
+    assert counts["stock raised"] > 400
+    assert not diffs, f"{len(diffs)} differences:\n" + "\n".join(diffs[:40])
+
+
+def _consumed(a):
+    cap = a.__dlpack__()
+    np.from_dlpack(_Capsule(cap))
+    return cap
+
+
+class _Capsule:
+    def __init__(self, cap):
+        self.cap = cap
+
+    def __dlpack__(self, **kw):
+        return self.cap
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="claims a GPU device type over host memory: CPU-only processes")
+def test_stock_decides_for_objects_it_reads_generically(installed):
+    """jnp.asarray of a DLPack-only GPU producer the import refuses (no
+    CUDA here): stock's own error, with the overlay's reason as a note."""
+    p = _Unholdable(D.values((64,), np.dtype(np.uint8)), 2, (1, 8, 1), 16)
+    with pytest.raises(TypeError, match="not a valid JAX array type") as e:
+        jnp.asarray(p)
+    assert any("jax_overlay could not import it either" in n and "CUDA" in n
+               for n in getattr(e.value, "__notes__", []))
