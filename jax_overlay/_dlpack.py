@@ -54,17 +54,31 @@ def _dtype(code, bits, lanes):
     return dtype
 
 
+def _integral_pair(dev):
+    """A pair of numbers with integral values (stock JAX unpacks any pair
+    and looks the type up by equality, so (1.0, 0) is the CPU), as ints."""
+    try:
+        a, b = dev
+        pair = int(a), int(b)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return pair if pair == (a, b) and not isinstance(a, (str, bytes)) else None
+
+
 def device_of(x):
     """(device_type, device_id) from ``x.__dlpack_device__()``, which the
-    protocol says is a pair of ints; anything else is a TypeError naming
-    what came back (unpacking it blindly gave 'not enough values')."""
+    protocol says is a pair of ints; anything else is an error naming what
+    came back (unpacking it blindly gave 'not enough values'), a TypeError
+    and the ValueError stock's unpacking raises."""
     dev = x.__dlpack_device__()
     pair = _exports.int_pair(dev)
     if pair is None:
-        raise TypeError(
+        pair = _integral_pair(dev)
+    if pair is None:
+        raise like_stock(TypeError(
             f"{type(x).__module__}.{type(x).__qualname__}.__dlpack_device__() returned "
             f"{dev!r}; the DLPack protocol asks for a tuple (device_type: int, "
-            "device_id: int)")
+            "device_id: int)"), ValueError)
     return pair
 
 
@@ -199,7 +213,10 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
     # version or a tensor no consumer can read; a versioned capsule comes back
     # as a legacy one jaxlib reads.  READ_ONLY needs nothing: JAX never writes
     # to an imported buffer, short of donating it (see the README).
-    cap, view, cap_type, cap_id, flags = ext.plan_dlpack_import(cap)
+    try:
+        cap, view, cap_type, cap_id, flags = ext.plan_dlpack_import(cap)
+    except BufferError as e:  # jaxlib's own reading of the capsule: its runtime error
+        raise like_stock(e, JaxRuntimeError) from None
     copied = bool(flags & ext.FLAG_IS_COPIED) or resolved
     # Before jaxlib sees it: a dtype it cannot read would come back as its
     # RuntimeError.  The refused capsule's destructor frees the tensor.

@@ -6,6 +6,7 @@ exports of JAX arrays, read by NumPy and called directly."""
 from __future__ import annotations
 
 import ctypes
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -417,3 +418,52 @@ def test_stock_decides_for_objects_it_reads_generically(installed):
         jnp.asarray(p)
     assert any("jax_overlay could not import it either" in n and "CUDA" in n
                for n in getattr(e.value, "__notes__", []))
+
+
+class _Malformed:
+    """A producer of host float32 data whose __dlpack_device__ returns
+    `device` and whose __dlpack__ does `capsule` ("good", "raises",
+    "refuses", "none", "int", "consumed")."""
+
+    def __init__(self, device=(1, 0), capsule="good"):
+        self.a = D.values((8,), np.dtype(np.float32))
+        self.device, self.capsule = device, capsule
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        kind = self.capsule
+        if kind == "raises":
+            raise RuntimeError("the producer broke")
+        if kind == "refuses":
+            raise BufferError("the producer refuses")
+        if kind in ("none", "int"):
+            return None if kind == "none" else 5
+        cap = self.a.__dlpack__()
+        if kind == "consumed":
+            np.from_dlpack(_Capsule(cap))
+        return cap
+
+    def __dlpack_device__(self):
+        if self.device == "raises":
+            raise RuntimeError("the device broke")
+        return self.device
+
+
+class _IntEnumCPU(enum.IntEnum):
+    CPU = 1
+
+
+def test_malformed_producers_fail_or_work_as_on_stock():
+    """__dlpack_device__ returning three items, a string, None, floats,
+    NumPy ints, an IntEnum, a list, a negative or unseen id, or raising;
+    __dlpack__ raising, refusing, returning None or an int, or a consumed
+    capsule: stock's outcome, or an instance of its class."""
+    producers = {f"device {d!r}": (lambda d=d: _Malformed(device=d)) for d in (
+        (1, 0, 0), "cpu", None, (1.0, 0), (1.5, 0), (np.int64(1), np.int64(0)),
+        (_IntEnumCPU.CPU, 0), [1, 0], "raises", (1, -1), (1, 1))}
+    producers.update({f"capsule {c}": (lambda c=c: _Malformed(capsule=c)) for c in (
+        "raises", "refuses", "none", "int", "consumed")})
+    for x64 in (False, True):
+        with rt.x64(x64):
+            diffs, counts = D.differential(D.import_cases(D.IMPORTS, producers, _coords()))
+        assert counts["stock ok"] > 50 and counts["stock raised"] > 200
+        assert not diffs, f"{len(diffs)} differences:\n" + "\n".join(diffs[:40])
