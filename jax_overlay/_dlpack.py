@@ -54,26 +54,13 @@ def _dtype(code, bits, lanes):
     return dtype
 
 
-def _integral_pair(dev):
-    """A pair of numbers with integral values (stock JAX unpacks any pair
-    and looks the type up by equality, so (1.0, 0) is the CPU), as ints."""
-    try:
-        a, b = dev
-        pair = int(a), int(b)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return pair if pair == (a, b) and not isinstance(a, (str, bytes)) else None
-
-
 def device_of(x):
     """(device_type, device_id) from ``x.__dlpack_device__()``, which the
     protocol says is a pair of ints; anything else is an error naming what
     came back (unpacking it blindly gave 'not enough values'), a TypeError
     and the ValueError stock's unpacking raises."""
     dev = x.__dlpack_device__()
-    pair = _exports.int_pair(dev)
-    if pair is None:
-        pair = _integral_pair(dev)
+    pair = _exports.device_pair(dev)
     if pair is None:
         raise like_stock(TypeError(
             f"{type(x).__module__}.{type(x).__qualname__}.__dlpack_device__() returned "
@@ -96,18 +83,7 @@ def jax_device_of(x):
     return None
 
 
-def _stock_platforms():
-    """Stock from_dlpack's table: DLPack device type -> JAX platform.  A
-    type it lacks is its TypeError; a platform this process has no backend
-    for, its RuntimeError ("Unknown backend").  Read from the installed jax
-    (jax 0.10 maps kDLCPU, kDLCUDA and kDLROCM; 0.12 also kDLCUDAHost and
-    others); never kDLCUDAManaged."""
-    from jax._src import dlpack as stock
-    table = getattr(stock, "_DL_DEVICE_TO_PLATFORM", None) or {1: "cpu", 2: "cuda", 10: "rocm"}
-    return {int(k): v for k, v in table.items()}
-
-
-_STOCK_PLATFORMS = _stock_platforms()
+_STOCK_PLATFORMS = rt.stock_dlpack_platforms()
 
 
 def stock_class(dl_type):

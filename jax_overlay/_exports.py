@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import numbers
 import operator
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -283,6 +284,28 @@ def int_pair(value):
         return None
 
 
+def device_pair(value):
+    """A DLPack device as stock JAX reads one: int_pair, or any pair of
+    numbers with integral values (stock unpacks the pair and looks the type
+    up by equality, so (1.0, 0) is the CPU), as ints; else None."""
+    pair = int_pair(value)
+    if pair is not None:
+        return pair
+    try:
+        a, b = value
+        pair = int(a), int(b)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return pair if pair == (a, b) and not isinstance(a, (str, bytes)) else None
+
+
+def _bad_device(dl_device):
+    # Stock unpacks dl_device: a ValueError or a TypeError by what it is.
+    return like_stock(TypeError(
+        f"dl_device={dl_device!r}: pass None or a tuple (device_type: int, "
+        "device_id: int)"), ValueError)
+
+
 def _dl_check(x):
     """The CAI export's checks, with the DLPack protocol's BufferError."""
     try:
@@ -346,14 +369,18 @@ def dlpack_device(x):
 
 def _versioned(max_version):
     """Whether a consumer allowing `max_version` gets a versioned capsule;
-    TypeError for anything but None or a (major, minor) pair."""
+    TypeError for anything but None or a (major, minor) pair, or another
+    tuple of numbers, which stock JAX compares as tuples."""
     if max_version is None:
         return False
     pair = int_pair(max_version)
-    if pair is None:
-        raise TypeError(f"max_version={max_version!r}: pass None or a tuple "
-                        "(major: int, minor: int)")
-    return pair >= (1, 0)
+    if pair is not None:
+        return pair >= (1, 0)
+    if (type(max_version) is tuple and max_version
+            and all(isinstance(v, numbers.Real) for v in max_version)):
+        return max_version >= (1, 0)
+    raise TypeError(f"max_version={max_version!r}: pass None or a tuple "
+                    "(major: int, minor: int)")
 
 
 def to_dlpack(x: jax.Array, *, stream: int | None = None,
@@ -394,33 +421,46 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
                                        ext.FLAG_READ_ONLY if versioned else 0)
     if type(x) is not rt.ArrayImpl or x.is_deleted():
         _dl_check(x)  # the precise error; sharded arrays fail in dlpack_device
-    if copy is not None and not isinstance(copy, (bool, np.bool_)):
-        raise TypeError(f"copy={copy!r}: pass None, True or False")
+    if copy is not None and type(copy) is not bool:
+        copy = bool(copy)  # stock JAX reads copy= by its truth
     versioned = _versioned(max_version)
-    if dl_device is not None and int_pair(dl_device) is None:
-        raise TypeError(f"dl_device={dl_device!r}: pass None or a tuple "
-                        "(device_type: int, device_id: int)")
+    want = None
+    if dl_device:  # stock: an empty or falsy dl_device is none
+        want = device_pair(dl_device)
+        if want is None:
+            raise _bad_device(dl_device)
+        if not want[0]:
+            want = None  # stock: device type 0 names no device
     dl_dtype = _dl_dtype(x.dtype)  # before any copy or reference is made
     src_type, src_id = dlpack_device(x)
     src_type, src_id = int(src_type), int(src_id)
     target = (src_type, src_id)
     copied = False
-    if dl_device is not None and int_pair(dl_device) != target:
-        want = int_pair(dl_device)
+    if want is not None and want != target:
         if src_type == _KDLCUDAHOST and want == (_KDLCPU, 0):
             target = want  # the same pinned memory, read by the host
         else:
             # The device first, as stock JAX does: an unknown one is its
             # error whatever copy= says.
             if want[0] == _KDLCPU:
-                dest = rt.host_device()
+                try:
+                    dest = rt.host_backend().device_from_local_hardware_id(want[1])
+                except Exception as e:  # jaxlib's runtime error, stock's too
+                    raise like_stock(BufferError(
+                        f"dl_device={want}: this process has no CPU device {want[1]} ({e})"),
+                        type(e) if isinstance(e, RuntimeError) else RuntimeError) from None
             elif want[0] == _KDLCUDA:
                 try:
                     dest = rt.gpu_device(want[1])
                 except BufferError as e:
                     raise like_stock(type(e)(f"dl_device={want}: {e}"), RuntimeError) from None
             else:
-                raise BufferError(f"dl_device={want}: jax_overlay exports to kDLCPU or kDLCUDA")
+                # Stock looks a type it maps up as a backend (RuntimeError
+                # where this process has none), and refuses the others
+                # with BufferError.
+                raise like_stock(BufferError(
+                    f"dl_device={want}: jax_overlay exports to kDLCPU or kDLCUDA"),
+                    RuntimeError if want[0] in rt.stock_dlpack_platforms() else BufferError)
             if copy is False:
                 raise CopyRequiredError(
                     f"Specified dl_device={want} which requires a copy since the "
@@ -432,16 +472,21 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
         x, copied = rt.device_put(x, x.sharding, may_alias=False), True
     if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)
                                or stream == 0 or stream < -1):
-        raise BufferError(
+        # jaxlib takes an int64 stream (TypeError otherwise) and refuses
+        # what it cannot wait on with its runtime error.
+        stock = (JaxRuntimeError if isinstance(stream, int) and -2**63 <= stream < 2**63
+                 else TypeError)
+        raise like_stock(BufferError(
             f"stream={stream!r}: pass None (legacy default stream), -1 (no "
-            "ordering), 1, 2 or a CUDA stream handle")
+            "ordering), 1, 2 or a CUDA stream handle"), stock)
     ready = x.is_ready()  # type: ignore[attr-defined]  # an ArrayImpl: checked above
     if target[0] == _KDLCPU:
         if stream not in (None, -1):
-            # Stock jaxlib: UNIMPLEMENTED, a JaxRuntimeError.
+            # Stock jaxlib: UNIMPLEMENTED, a JaxRuntimeError (a TypeError
+            # for a stream beyond int64).
             raise like_stock(BufferError(
                 f"stream={stream!r} for host memory: CPU consumers pass None"),
-                JaxRuntimeError)
+                JaxRuntimeError if stream < 2**63 else TypeError)
         if not ready:
             x.block_until_ready()  # a host reader has no stream to wait on
             ready = True

@@ -80,6 +80,22 @@ def gpu_device(ordinal: int):
     return dev
 
 
+def host_backend():
+    return _xb.get_backend("cpu")
+
+
+@functools.cache
+def stock_dlpack_platforms() -> dict[int, str]:
+    """Stock from_dlpack's and to_dlpack's table: DLPack device type -> JAX
+    platform.  A type it lacks is its TypeError (import) or BufferError
+    (export); a platform this process has no backend for, its RuntimeError
+    ("Unknown backend").  Read from the installed jax (jax 0.10 maps
+    kDLCPU, kDLCUDA and kDLROCM; 0.12 also kDLCUDAHost and others)."""
+    from jax._src import dlpack as stock
+    table = getattr(stock, "_DL_DEVICE_TO_PLATFORM", None) or {1: "cpu", 2: "cuda", 10: "rocm"}
+    return {int(k): v for k, v in table.items()}
+
+
 @functools.cache
 def host_device():
     return jax.devices("cpu")[0]

@@ -163,6 +163,33 @@ def test_exports_match_stock(dtype):
         _check(*D.differential(_export_cases(dtype)))
 
 
+def _odd_export_calls():
+    """__dlpack__ called with what stock accepts loosely or refuses: streams
+    of every kind, max_version tuples of other lengths and numbers,
+    dl_device as floats, strings, lists, unknown types and ids, copy as any
+    truth value, and their combinations."""
+    streams = [0, -1, 1, 2, "x", 1.5, True, 2**70]
+    versions = [(1, 0), (0, 8), (1,), (1, 0, 0), "1.0", (1.0, 0), (-1, 0), (2**70, 0), [1, 0],
+                (True, 0)]
+    devices = [None, (1, 0), (1, 1), (1.0, 0), "cpu", (2, 0), (3, 0), (10, 0), (99, 0), (1, -1),
+               [1, 0], (np.int64(1), 0), (0, 0), ()]
+    copies = [None, True, False, 0, 1, "yes", np.bool_(True)]
+
+    def x():
+        return jnp.asarray(D.values((4, 4), np.dtype(np.float32)))
+    for kw in ([{"stream": v} for v in streams] + [{"max_version": v} for v in versions]
+               + [{"dl_device": d, "copy": c} for d in devices for c in copies]):
+        yield (f"__dlpack__({kw})", lambda kw=kw: _consume(x().__dlpack__(**kw)), None)
+    yield "__dlpack__(None)", lambda: _consume(x().__dlpack__(None)), None
+    yield "__dlpack__(foo=1)", lambda: _consume(x().__dlpack__(foo=1)), None
+
+
+def test_odd_export_arguments_match_stock():
+    diffs, counts = D.differential(_odd_export_calls())
+    assert counts["stock ok"] > 40 and counts["stock raised"] > 40
+    assert not diffs, f"{len(diffs)} differences:\n" + "\n".join(diffs[:40])
+
+
 _CPU0 = jax.devices("cpu")[0]
 
 

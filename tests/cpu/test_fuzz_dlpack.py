@@ -422,15 +422,18 @@ def export_verdict(dtype, stream, max_version, dl_device, copy):
         bad.add("stream")
     elif stream not in (None, -1):
         bad.add("stream")  # a CPU array: host consumers pass None or -1
-    if max_version is not None and int_pair(max_version) is None:
+    # Read as stock JAX reads them (the drop-in rule): max_version is
+    # compared as a tuple, dl_device unpacked when truthy (a device type 0
+    # names none), copy= taken by its truth.
+    if max_version is not None and int_pair(max_version) is None and not (
+            type(max_version) is tuple and max_version
+            and all(isinstance(v, (int, float)) for v in max_version)):
         bad.add("max_version")
-    device = None if dl_device is None else int_pair(dl_device)
-    if dl_device is not None and (device is None or device[0] != 1):
+    device = advertised_pair(dl_device) if dl_device else None
+    if dl_device and (device is None or device[0] not in (0, 1)):
         bad.add("dl_device")  # malformed, or a copy to a device a CPU run lacks
-    elif device not in (None, (1, 0)) and copy is False:
-        bad.add("dl_device")  # another CPU id is a copy (of the same memory)
-    if copy is not None and not isinstance(copy, (bool, np.bool_)):
-        bad.add("copy")
+    elif device is not None and device[0] == 1 and device[1] != 0:
+        bad.add("dl_device")  # a CPU device this process does not have
     if dtype in (jnp.int4,):
         bad.add("DLPack")
     return bad
