@@ -61,6 +61,15 @@ def _stock_after(refused, call):
         raise
 
 
+def _has_cai(obj):
+    """Whether stock's jnp.array reads a CAI of `obj` (its hasattr: a
+    property that raises anything but AttributeError is read, and raises)."""
+    try:
+        return hasattr(obj, "__cuda_array_interface__")
+    except Exception:
+        return True
+
+
 def _foreign(obj, copy, stock_error, cai_first=True):
     """(view, copied) for a foreign array in CUDA memory (device, pinned or
     managed), else None, by the cheapest safe route the object offers
@@ -79,9 +88,16 @@ def _foreign(obj, copy, stock_error, cai_first=True):
         # No host device: host arrays keep JAX's own path (see the module doc).
         hit = _dlpack.import_foreign(obj, copy, cai_first=cai_first)
     except (BufferError, TypeError, ValueError) as e:
-        if cai_first and not hasattr(obj, "__cuda_array_interface__"):
+        if cai_first and not _has_cai(obj):
             return _Refused(e)
         raise like_stock(e, stock_error) from e.__cause__
+    except Exception as e:  # the producer's own failure in one of its protocols
+        if cai_first:
+            if not _has_cai(obj):
+                return _Refused(e)
+            raise  # stock reads the same CAI and meets it too
+        # jax.device_put never asks a producer anything: its TypeError.
+        raise like_stock(e, stock_error) from e
     if hit is not None and hit[0].sharding.memory_kind == "pinned_host":
         view, copied = hit
         if not copied and hasattr(obj, "__cuda_array_interface__"):

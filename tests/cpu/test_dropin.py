@@ -494,3 +494,41 @@ def test_malformed_producers_fail_or_work_as_on_stock():
             diffs, counts = D.differential(D.import_cases(D.IMPORTS, producers, _coords()))
         assert counts["stock ok"] > 50 and counts["stock raised"] > 200
         assert not diffs, f"{len(diffs)} differences:\n" + "\n".join(diffs[:40])
+
+
+class _OddCAI:
+    """An object whose __cuda_array_interface__ is `cai`, or raises it."""
+
+    def __init__(self, cai):
+        self._cai = cai
+
+    @property
+    def __cuda_array_interface__(self):
+        if isinstance(self._cai, Exception):
+            raise self._cai
+        return self._cai
+
+
+def test_malformed_cuda_array_interfaces_fail_as_on_stock():
+    """CAIs with fields missing, of the wrong type or out of range, not a
+    dict, or a property raising: stock's class at each entry point (stock's
+    jax.device_put never reads a CAI: its TypeError)."""
+    buf = D.values((64,), np.dtype(np.float32))
+    good = {"shape": (8,), "typestr": "<f4", "data": (buf.ctypes.data, False), "version": 3,
+            "strides": None}
+    variants = {
+        "no shape": {k: v for k, v in good.items() if k != "shape"},
+        "shape str": dict(good, shape="8"), "typestr <x4": dict(good, typestr="<x4"),
+        "typestr int": dict(good, typestr=4), "data None": dict(good, data=None),
+        "data int": dict(good, data=5), "data of 3": dict(good, data=(1, 2, 3)),
+        "version str": dict(good, version="3"), "strides of 2": dict(good, strides=(1, 2)),
+        "strides str": dict(good, strides="x"), "stream 0": dict(good, stream=0),
+        "stream str": dict(good, stream="s"), "null pointer": dict(good, data=(0, False)),
+        "negative shape": dict(good, shape=(-1,)), "read-only str": dict(good, data=(1, "no")),
+        "a list": [1, 2], "None": None, "raises KeyError": KeyError("k"),
+        "raises AttributeError": AttributeError("no"), "raises RuntimeError": RuntimeError("no"),
+        "good (host memory: no GPU)": good}
+    producers = {name: (lambda v=v: _OddCAI(v)) for name, v in variants.items()}
+    diffs, counts = D.differential(D.import_cases(D.IMPORTS, producers, _coords()))
+    assert counts["stock raised"] > 800
+    assert not diffs, f"{len(diffs)} differences:\n" + "\n".join(diffs[:40])
