@@ -81,41 +81,35 @@ def _cpu_cases(x, spec):
     return ("numpy", bare, lambda a: a * 2, into), f"jax {jax.__version__}, CPU backend"
 
 
-def _cpu_torch_cases(x, spec):
-    import torch
-    import torch.utils.dlpack
-
-    def bare(ctx, out, a):
-        # XLA's capsules taken as they are; no stream on the host.
-        o = torch.utils.dlpack.from_dlpack(out.__dlpack__())
-        o.copy_(torch.utils.dlpack.from_dlpack(a.__dlpack__()) * 2)
-
-    def into(a, out):
-        torch.mul(a, 2, out=out)
-    return (("torch", bare, lambda a: a * 2, into),
-            f"jax {jax.__version__}, torch {torch.__version__}, CPU backend")
-
-
-def _gpu_cases(x, spec):
+def _torch_cases(gpu):
+    """PyTorch's cases: on the GPU (XLA's stream made PyTorch's) or on the
+    CPU backend (CPU tensors, no stream)."""
     import torch
     import torch.utils.dlpack
     streams = {}
 
+    def work(out, a):
+        # XLA's capsules taken as they are (nothing holds them).
+        o = torch.utils.dlpack.from_dlpack(out.__dlpack__())
+        o.copy_(torch.utils.dlpack.from_dlpack(a.__dlpack__()) * 2)
+
     def bare(ctx, out, a):
         # As lean as a hand-written callback gets: a cached stream wrapper,
         # torch.Stream's own C++ `with` (torch.cuda.stream() costs tens of
-        # µs more), XLA's capsules taken as they are (nothing holds them).
+        # µs more).
+        if not gpu:
+            return work(out, a)
         s = streams.get(ctx.stream)
         if s is None:
             s = streams[ctx.stream] = torch.cuda.ExternalStream(ctx.stream)
         with s:
-            o = torch.utils.dlpack.from_dlpack(out.__dlpack__())
-            o.copy_(torch.utils.dlpack.from_dlpack(a.__dlpack__()) * 2)
+            work(out, a)
 
     def into(a, out):
         torch.mul(a, 2, out=out)
-    return (("torch", bare, lambda a: a * 2, into),
-            f"{torch.cuda.get_device_name()}, jax {jax.__version__}, torch {torch.__version__}")
+    env = (f"{torch.cuda.get_device_name()}, jax {jax.__version__}, torch {torch.__version__}"
+           if gpu else f"jax {jax.__version__}, torch {torch.__version__}, CPU backend")
+    return ("torch", bare, lambda a: a * 2, into), env
 
 
 def main():
@@ -133,8 +127,8 @@ def main():
     if args.backend != "gpu":
         x = jax.device_put(x, jax.devices("cpu")[0])
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    make_cases = {"cpu": _cpu_cases, "cpu-torch": _cpu_torch_cases, "gpu": _gpu_cases}[args.backend]
-    (framework, bare, fn, into), env = make_cases(x, spec)
+    (framework, bare, fn, into), env = (_cpu_cases(x, spec) if args.backend == "cpu"
+                                        else _torch_cases(args.backend == "gpu"))
     make = _foreign._make_callback
     cases = {
         "jit, no callback": jax.jit(lambda v: v * 2),
