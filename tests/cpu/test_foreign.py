@@ -372,3 +372,34 @@ def case_sharded_input_is_refused_one_device_input_runs_there(n):
 @pytest.mark.parametrize("n,case", params(globals()))
 def test_multidevice(n, case):
     check(__file__, n, case)
+
+
+def test_inside_control_flow_remat_and_donation():
+    """A foreign call inside lax.scan, cond, while_loop and fori_loop, under
+    grad through a scan (its vjp once per step), under jax.checkpoint, and
+    with its input donated."""
+    from jax import lax
+    f = numpy_fn(lambda x: np.sin(x) * 2, vjp=lambda x, ct: (np.cos(x) * 2 * ct,))
+    x = on_cpu(jnp.linspace(0, 1, 8, dtype=jnp.float32))
+    want = np.asarray(x)
+    for _ in range(5):
+        want = np.sin(want) * 2 * 0.5
+    got, _ = jax.jit(lambda x: lax.scan(lambda c, _: (f(c) * 0.5, None), x, None, length=5))(x)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    cond = jax.jit(lambda x, p: lax.cond(p, f, lambda v: v, x))
+    np.testing.assert_allclose(np.asarray(cond(x, True)), np.sin(np.asarray(x)) * 2, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(cond(x, False)), np.asarray(x))
+    loop = jax.jit(lambda x: lax.while_loop(lambda s: s[1] < 3,
+                                            lambda s: (f(s[0]) * 0.5, s[1] + 1), (x, 0))[0])
+    fori = jax.jit(lambda x: lax.fori_loop(0, 3, lambda i, v: f(v) * 0.5, x))
+    np.testing.assert_allclose(np.asarray(loop(x)), np.asarray(fori(x)), rtol=1e-6)
+
+    def steps(fn):
+        return lambda x: lax.scan(lambda c, _: (fn(c) * 0.5, None), x, None, length=3)[0].sum()
+    g = jax.jit(jax.grad(steps(f)))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(steps(lambda v: jnp.sin(v) * 2))(x)),
+                               rtol=1e-5)
+    g = jax.grad(jax.checkpoint(lambda x: f(x).sum()))(x)
+    np.testing.assert_allclose(np.asarray(g), np.cos(np.asarray(x)) * 2, rtol=1e-5)
+    y = jax.jit(lambda v: f(v) + 1, donate_argnums=0)(on_cpu(jnp.ones(8, jnp.float32)))
+    np.testing.assert_allclose(np.asarray(y), np.sin(1.0) * 2 + 1, rtol=1e-6)

@@ -233,3 +233,16 @@ def test_eight_threads_at_once():
 
 def test_adapter_is_the_gpus():
     assert type(_foreign._adapter("torch")).__name__ == "_Torch"
+
+
+def test_autograd_through_a_scan():
+    """PyTorch's backward once per step of a lax.scan, under jit."""
+    from jax import lax
+    f = torch_fn(lambda x: torch.tanh(x) * 2, vjp="autograd")
+
+    def steps(fn):
+        return lambda x: lax.scan(lambda c, _: (fn(c) * 0.5, None), x, None, length=4)[0].sum()
+    x = on_cpu(jnp.linspace(-1, 1, 16, dtype=jnp.float32))
+    got = jax.jit(jax.grad(steps(f)))(x)
+    want = jax.grad(steps(lambda v: jnp.tanh(v) * 2))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
