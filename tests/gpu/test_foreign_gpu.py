@@ -339,3 +339,31 @@ def test_pinned_inputs_are_refused_and_cpu_inputs_go_where_the_framework_runs():
     with pytest.raises(ValueError, match="input 0 is on cpu"):
         jax_overlay.foreign(lambda x: x, framework="cupy", result_shape_dtypes=SAME)(
             jax.device_put(jnp.ones(4), cpu))
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_steps_of_a_scan_read_the_step_before(framework):
+    """200 steps of a lax.scan, each a foreign op on XLA's stream reading the
+    carry the step before wrote (no host sync between steps), then
+    PyTorch's autograd once per step of a shorter scan, both against the
+    same scan in JAX."""
+    from jax import lax
+    if framework == "torch":
+        torch = _torch()
+        op = lambda v: torch.tanh(v) * 1.5 + 0.25  # noqa: E731
+    else:
+        op = lambda v: cp.tanh(v) * 1.5 + 0.25  # noqa: E731
+    f = jax_overlay.foreign(op, framework=framework, result_shape_dtypes=SAME)
+
+    def steps(fn, n):
+        return lambda x: lax.scan(lambda c, _: (fn(c), None), x, None, length=n)[0]
+    x = jnp.linspace(-2, 2, 1 << 16, dtype=jnp.float32)
+    got = jax.jit(steps(f, 200))(x)
+    want = jax.jit(steps(lambda v: jnp.tanh(v) * 1.5 + 0.25, 200))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    if framework == "torch":
+        g = jax_overlay.foreign(op, framework="torch", result_shape_dtypes=SAME, vjp="autograd")
+        loss = lambda fn: lambda x: steps(fn, 8)(x).sum()  # noqa: E731
+        np.testing.assert_allclose(
+            np.asarray(jax.jit(jax.grad(loss(g)))(x)),
+            np.asarray(jax.grad(loss(lambda v: jnp.tanh(v) * 1.5 + 0.25))(x)), rtol=2e-5, atol=2e-6)
