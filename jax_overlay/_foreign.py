@@ -88,6 +88,7 @@ def _mismatch(i, got_dtype, got_shape, want_dtype, want_shape):
 class _NumPy:
     """Views of XLA's host buffers as NumPy arrays."""
     name = "numpy"
+    array = np.ndarray  # the exact type of the framework's arrays: a pytree leaf
 
     def ordinal(self, buffers):
         for b in buffers:
@@ -154,12 +155,15 @@ def _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens):
                 f"returns None; it returned {type(got).__qualname__}")
         return
     got = fn(*inputs)
-    leaves, tree = jax.tree_util.tree_flatten(got)
-    want = _LEAF if out_tree is None else out_tree
-    if tree != want:
-        raise ForeignError(
-            f"the foreign function returned the structure {tree}, but "
-            f"result_shape_dtypes has {want}")
+    if out_tree is None and type(got) is adapter.array:
+        leaves = [got]  # the framework's own array for one output: a leaf
+    else:
+        leaves, tree = jax.tree_util.tree_flatten(got)
+        want = _LEAF if out_tree is None else out_tree
+        if tree != want:
+            raise ForeignError(
+                f"the foreign function returned the structure {tree}, but "
+                f"result_shape_dtypes has {want}")
     # Checked against XLA's own output buffers: under vmap they carry the
     # batch dimension that result_shape_dtypes does not.
     for i, (view, leaf) in enumerate(zip(out_views, leaves)):

@@ -61,6 +61,7 @@ def _facts(b):
 class _Gpu:
     name = ""
     array_type = ""
+    array: type | None = None  # the exact type of the framework's arrays: a pytree leaf
 
     def __init__(self):
         self._local = threading.local()
@@ -158,7 +159,10 @@ class _Torch(_Gpu):
         import torch
         import torch.utils.dlpack
         self.torch = torch
-        self.from_dlpack = torch.utils.dlpack.from_dlpack
+        self.array = torch.Tensor
+        # PyTorch's own importer of a capsule, without the wrapper's checks
+        # for producer objects (views are always capsules).
+        self.from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
         # torch.Stream's own `with` (C++: sets device and stream, restores
         # both) costs a few µs; torch.cuda.stream() tens (it looks the
         # device up through Python on every call).
@@ -233,6 +237,7 @@ class _CuPy(_Gpu):
         super().__init__()
         import cupy
         self.cupy = cupy
+        self.array = cupy.ndarray
 
     def wrap(self, handle, ordinal):
         return _streams.cupy_stream(self.cupy, handle, ordinal)
@@ -283,6 +288,7 @@ class _Numba(_Gpu):
         super().__init__()
         from numba import cuda
         self.cuda = cuda
+        self.array = cuda.devicearray.DeviceNDArray
         # Kernels launched without a stream go to Numba's default stream.
         from numba.core import config
         self.default = _PER_THREAD if getattr(config, "CUDA_PER_THREAD_DEFAULT_STREAM", 0) else _LEGACY
