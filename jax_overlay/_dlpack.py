@@ -57,15 +57,13 @@ def _dtype(code, bits, lanes):
 def device_of(x):
     """(device_type, device_id) from ``x.__dlpack_device__()``, which the
     protocol says is a pair of ints; anything else is an error naming what
-    came back (unpacking it blindly gave 'not enough values'), a TypeError
-    and the ValueError stock's unpacking raises."""
+    came back (unpacking it blindly gave 'not enough values'):
+    _exports.bad_device."""
     dev = x.__dlpack_device__()
     pair = _exports.device_pair(dev)
     if pair is None:
-        raise like_stock(TypeError(
-            f"{type(x).__module__}.{type(x).__qualname__}.__dlpack_device__() returned "
-            f"{dev!r}; the DLPack protocol asks for a tuple (device_type: int, "
-            "device_id: int)"), ValueError)
+        raise _exports.bad_device(
+            f"{type(x).__module__}.{type(x).__qualname__}.__dlpack_device__() returned {dev!r}")
     return pair
 
 

@@ -285,9 +285,10 @@ def int_pair(value):
 
 
 def device_pair(value):
-    """A DLPack device as stock JAX reads one: int_pair, or any pair of
-    numbers with integral values (stock unpacks the pair and looks the type
-    up by equality, so (1.0, 0) is the CPU), as ints; else None."""
+    """A DLPack device as stock JAX reads one, for both directions: int_pair,
+    or any pair of numbers with integral values (stock unpacks the pair and
+    looks the type up by equality, so (1.0, 0) is the CPU), as ints; else
+    None (bad_device's error)."""
     pair = int_pair(value)
     if pair is not None:
         return pair
@@ -299,10 +300,11 @@ def device_pair(value):
     return pair if pair == (a, b) and not isinstance(a, (str, bytes)) else None
 
 
-def _bad_device(dl_device):
-    # Stock unpacks dl_device: a ValueError or a TypeError by what it is.
+def bad_device(what):
+    """The error for a device device_pair cannot read, `what` saying where
+    it came from: a TypeError, and the ValueError stock's unpacking raises."""
     return like_stock(TypeError(
-        f"dl_device={dl_device!r}: pass None or a tuple (device_type: int, "
+        f"{what}; the DLPack protocol asks for a tuple (device_type: int, "
         "device_id: int)"), ValueError)
 
 
@@ -428,7 +430,7 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
     if dl_device:  # stock: an empty or falsy dl_device is none
         want = device_pair(dl_device)
         if want is None:
-            raise _bad_device(dl_device)
+            raise bad_device(f"dl_device={dl_device!r}")
         if not want[0]:
             want = None  # stock: device type 0 names no device
     dl_dtype = _dl_dtype(x.dtype)  # before any copy or reference is made

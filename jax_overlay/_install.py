@@ -87,17 +87,15 @@ def _foreign(obj, copy, stock_error, cai_first=True):
     try:
         # No host device: host arrays keep JAX's own path (see the module doc).
         hit = _dlpack.import_foreign(obj, copy, cai_first=cai_first)
-    except (BufferError, TypeError, ValueError) as e:
+    except Exception as e:
         if cai_first and not _has_cai(obj):
-            return _Refused(e)
-        raise like_stock(e, stock_error) from e.__cause__
-    except Exception as e:  # the producer's own failure in one of its protocols
-        if cai_first:
-            if not _has_cai(obj):
-                return _Refused(e)
-            raise  # stock reads the same CAI and meets it too
-        # jax.device_put never asks a producer anything: its TypeError.
-        raise like_stock(e, stock_error) from e
+            return _Refused(e)  # stock reads it as any other object
+        refusal = isinstance(e, (BufferError, TypeError, ValueError))
+        if cai_first and not refusal:
+            raise  # the producer's own failure in the CAI stock reads too
+        # A refusal, or the producer's failure inside jax.device_put, which
+        # never asks a producer anything: stock's class too.
+        raise like_stock(e, stock_error) from (e.__cause__ if refusal else e)
     if hit is not None and hit[0].sharding.memory_kind == "pinned_host":
         view, copied = hit
         if not copied and hasattr(obj, "__cuda_array_interface__"):
