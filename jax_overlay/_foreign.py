@@ -255,9 +255,42 @@ def _check_placement(args, framework):
                    "jax.device_put(x, jax.devices('cpu')[0])"))
 
 
+def _aliases(given, in_leaves, out_leaves):
+    """input_output_aliases checked against one call's flat leaves: sorted
+    (input, output) pairs of the same shape and dtype, each output once."""
+    if not isinstance(given, dict):
+        raise TypeError(f"input_output_aliases must be a dict {{input: output}} of flat leaf "
+                        f"indices, got {type(given).__qualname__}")
+    pairs: list[tuple[int, int]] = []
+    taken: dict[int, int] = {}
+    for i, o in given.items():
+        for what, v, n in (("input", i, len(in_leaves)), ("output", o, len(out_leaves))):
+            if type(v) is bool or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"input_output_aliases: the {what} index {v!r} is a "
+                                f"{type(v).__qualname__}; pass an int")
+            if not 0 <= v < n:
+                raise ValueError(f"input_output_aliases: {what} {v} does not exist; this call "
+                                 f"has {n} {what} leaves (jax.tree_util.tree_leaves order)")
+        i, o = int(i), int(o)
+        if o in taken:
+            raise ValueError(f"input_output_aliases: output {o} is given both input "
+                             f"{taken[o]} and input {i}; alias each output to one input")
+        taken[o] = i
+        x, spec = in_leaves[i], out_leaves[o]
+        shape, dtype = tuple(np.shape(x)), np.dtype(jax.numpy.result_type(x))
+        if shape != tuple(spec.shape) or dtype != np.dtype(spec.dtype):
+            raise ValueError(
+                f"input_output_aliases: input {i} is {dtype}{list(shape)} and output {o} is "
+                f"{np.dtype(spec.dtype)}{list(spec.shape)}; an output shares its input's buffer, "
+                "so both need one shape and dtype")
+        pairs.append((i, o))
+    return tuple(sorted(pairs))
+
+
 def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
             vjp: Callable[..., Any] | str | None = None, vmap_method: str | None = None,
-            out: bool = False) -> Callable[..., Any]:
+            out: bool = False,
+            input_output_aliases: dict[int, int] | None = None) -> Callable[..., Any]:
     """``fn`` as a JAX function that runs inside ``jax.jit``, eagerly, under
     ``jax.vmap`` and, given ``vjp``, under ``jax.grad``.
 
@@ -282,6 +315,11 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
       ``fn`` computes them, inside that second call.
     * ``vmap_method``: as for ``jax.pure_callback`` (``"sequential"``,
       ``"expand_dims"``, ``"broadcast_all"``).
+    * ``input_output_aliases``: ``{input: output}`` over the flat leaves
+      (``jax.tree_util.tree_leaves`` order), as for ``jax.ffi.ffi_call``:
+      the output's buffer starts with the input's values, and is the
+      input's own buffer where ``jax.jit`` donates it (``donate_argnums``),
+      so nothing is allocated; with ``out=True``, ``fn`` updates it in place.
     * Views live for the call only: anything ``fn`` keeps must be a copy.
     """
     if framework not in FRAMEWORKS:
@@ -296,7 +334,7 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         raise TypeError(f"vjp must be callable, 'autograd' or None, got {type(vjp).__qualname__}")
 
     @functools.lru_cache(maxsize=64)
-    def _compiled(in_tree, out_spec_key):
+    def _compiled(in_tree, out_spec_key, aliases):
         out_tree, out_specs = out_spec_key
         from jax.experimental.buffer_callback import buffer_callback
         # The framework is imported on the first call, not when fn is wrapped.
@@ -304,7 +342,8 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         # Flat on both sides: the callback gets XLA's buffers as leaves.
         # command_buffer_compatible stays False: fn's Python must run on
         # every call, not once into a CUDA graph that XLA replays.
-        return buffer_callback(cb, list(out_specs), vmap_method=vmap_method)
+        return buffer_callback(cb, list(out_specs), vmap_method=vmap_method,
+                               input_output_aliases=dict(aliases) or None)
 
     def call(*args):
         if not args:
@@ -313,7 +352,9 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         spec = _result_spec(result_shape_dtypes, args)
         out_leaves, out_tree = jax.tree_util.tree_flatten(spec)
         in_leaves, in_tree = jax.tree_util.tree_flatten(args)
-        flat = _compiled(in_tree, (out_tree, tuple(out_leaves)))(*in_leaves)
+        aliases = (() if input_output_aliases is None
+                   else _aliases(input_output_aliases, in_leaves, out_leaves))
+        flat = _compiled(in_tree, (out_tree, tuple(out_leaves)), aliases)(*in_leaves)
         return jax.tree_util.tree_unflatten(out_tree, flat)
 
     if vjp is None:

@@ -118,6 +118,90 @@ def test_out_true_must_not_return_a_value():
         f(on_cpu(jnp.ones(3))).block_until_ready()
 
 
+def _ptr(buf):
+    return buf.__array_interface__["data"][0]
+
+
+def test_in_place_on_a_donated_input_allocates_nothing():
+    """input_output_aliases: the output is the input's own buffer where jit
+    donates it, and out=True updates it in place."""
+    seen = []
+
+    def fn(x, *, out):
+        seen.append((_ptr(x), _ptr(out), x.flags.writeable, out.flags.writeable))
+        np.testing.assert_array_equal(out, x)  # the output starts with the input's values
+        np.multiply(out, 2, out=out)
+
+    f = numpy_fn(fn, out=True, input_output_aliases={0: 0})
+    x = on_cpu(jnp.arange(6.0, dtype=jnp.float32))
+    want = np.asarray(x) * 2
+    before = x.unsafe_buffer_pointer()
+    y = jax.jit(f, donate_argnums=0)(x)
+    np.testing.assert_array_equal(np.asarray(y), want)
+    assert x.is_deleted() and y.unsafe_buffer_pointer() == before
+    assert seen == [(before, before, False, True)]
+
+
+def test_in_place_without_donation_leaves_the_input_as_it_was():
+    def fn(x, *, out):
+        out += 1
+    f = numpy_fn(fn, out=True, input_output_aliases={0: 0})
+    g = jax.jit(lambda v: f(v) * 10)
+    x = on_cpu(jnp.arange(4, dtype=jnp.int32))
+    for call in (f, jax.jit(f), g):
+        got = np.asarray(call(x))
+        np.testing.assert_array_equal(np.asarray(x), np.arange(4))  # XLA copied it first
+        np.testing.assert_array_equal(got, (np.arange(4) + 1) * (10 if call is g else 1))
+
+
+def test_aliases_name_flat_leaves_of_pytrees():
+    """Input 2 (the pytree's third leaf) becomes output 1; output 0 is new."""
+    def fn(a, pair, *, out):
+        np.add(a, pair["b"], out=out[0])
+        np.subtract(out[1], a, out=out[1])
+
+    def spec(a, pair):
+        return (jax.ShapeDtypeStruct(a.shape, a.dtype), pair["c"])
+    f = numpy_fn(fn, spec, out=True, input_output_aliases={2: 1})
+    a = on_cpu(jnp.arange(3.0))
+    b, c = a * 10, a + 100
+    s, d = jax.jit(f, donate_argnums=1)(a, {"b": b, "c": c})
+    np.testing.assert_array_equal(np.asarray(s), np.arange(3.0) * 11)
+    np.testing.assert_array_equal(np.asarray(d), np.full(3, 100.0))
+
+
+def test_aliases_returned_outputs_and_vmap_and_grad():
+    """Without out=True the returned array is copied over the aliased
+    buffer; vmap and a vjp work as without aliases."""
+    def vjp(x, ct):
+        return (ct * 3,)
+    f = numpy_fn(lambda x: x * 3, input_output_aliases={0: 0}, vjp=vjp,
+                 vmap_method="sequential")
+    x = on_cpu(jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3))
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), np.asarray(x) * 3)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(f)(x)), np.asarray(x) * 3)
+    g = jax.grad(lambda v: jnp.sum(f(v) * v))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(x) * 6)  # d(3v·v)/dv
+
+
+@pytest.mark.parametrize("aliases, error, match", [
+    ([(0, 0)], TypeError, "must be a dict"),
+    ({0.0: 0}, TypeError, "input index 0.0 is a float"),
+    ({0: True}, TypeError, "output index True is a bool"),
+    ({2: 0}, ValueError, "input 2 does not exist; this call has 2 input leaves"),
+    ({0: 1}, ValueError, "output 1 does not exist; this call has 1 output leaves"),
+    ({0: 0, 1: 0}, ValueError, "output 0 is given both input 0 and input 1"),
+    ({1: 0}, ValueError, r"input 1 is int32\[3\] and output 0 is float32\[3\]"),
+])
+def test_bad_aliases_are_refused_before_the_call(aliases, error, match):
+    f = numpy_fn(lambda x, y: x, lambda x, y: x, input_output_aliases=aliases)
+    x, y = on_cpu(jnp.ones(3, jnp.float32)), on_cpu(jnp.ones(3, jnp.int32))
+    with pytest.raises(error, match=match):
+        f(x, y)
+    with pytest.raises(error, match=match):
+        jax.jit(f)(x, y)
+
+
 def test_vmap_methods():
     calls = []
 

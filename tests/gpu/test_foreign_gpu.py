@@ -182,6 +182,43 @@ def test_numba_returned_device_array_is_copied_on_xlas_stream():
                                   np.arange(1000.0) * 2)
 
 
+@pytest.mark.parametrize("framework", ["torch", "cupy", "numba"])
+def test_in_place_on_in_flight_inputs_and_donated_buffers(framework):
+    """input_output_aliases with out=True: fn doubles XLA's buffer in place,
+    on inputs still being computed (no stale reads), and under a donating
+    jit the output is the input's own device buffer."""
+    if framework == "torch":
+        torch = _torch()
+        double = lambda x, out: out.mul_(2)  # noqa: E731
+        idle = lambda: torch.cuda.current_stream().query()  # noqa: E731
+    elif framework == "cupy":
+        double = lambda x, out: cp.multiply(out, 2, out=out)  # noqa: E731
+        idle = lambda: cp.cuda.get_current_stream().done  # noqa: E731
+    else:
+        _, kernel = numba_double()
+
+        def double(x, out):
+            kernel[(out.size + 255) // 256, 256, jax_overlay.foreign_stream()](out, out)
+        idle = lambda: ext.stream_idle(0, _handle(jax_overlay.foreign_stream()))  # noqa: E731
+    busy, ptrs = [0], []
+
+    def fn(x, out):
+        busy[0] += not idle()
+        ptrs.append(x.__cuda_array_interface__["data"][0] == out.__cuda_array_interface__["data"][0])
+        double(x, out)
+    f = jax_overlay.foreign(fn, framework=framework, result_shape_dtypes=SAME, out=True,
+                            input_output_aliases={0: 0})
+    stale, pending = in_flight_trials(f, busy)
+    assert pending > TRIALS // 2, f"only {pending} of {TRIALS} inputs were in flight: proves nothing"
+    assert stale == 0, f"{stale} of {TRIALS} in-place {framework} updates were stale"
+    x = jnp.arange(1 << 20, dtype=jnp.float32)
+    before = x.unsafe_buffer_pointer()
+    y = jax.jit(f, donate_argnums=0)(x)
+    np.testing.assert_array_equal(np.asarray(y), np.arange(1 << 20, dtype=np.float32) * 2)
+    assert x.is_deleted() and y.unsafe_buffer_pointer() == before
+    assert ptrs[-1], "the donated call's input and output views were not one buffer"
+
+
 @pytest.mark.parametrize("framework", ["torch", "cupy"])
 def test_dtypes_0d_and_zero_size(framework):
     if framework == "torch":
