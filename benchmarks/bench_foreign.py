@@ -7,6 +7,10 @@ rotating order, as end-to-end calls (dispatch to ready, one at a time):
                 control, and the floor every other case is measured against)
   foreign       jit(jax_overlay.foreign(gelu, framework="torch"))
   foreign out=True  the same op written into XLA's output (aten's gelu.out)
+  foreign in place  the same, the output aliased to the input
+                (input_output_aliases) and the input donated: XLA allocates
+                nothing (each call's output is the next call's input)
+  torch in place gelu.out over its own input, then synchronize (jax-free)
   pure_callback jit(jax.pure_callback(gelu via host copies))
   torch2jax     wrap_torch2jax.torch2jax(gelu), where it installs
   jax           jit(jax.nn.gelu), JAX's own op, for scale
@@ -61,6 +65,19 @@ def cases(n):
 
     def host_gelu(h):
         return gelu(torch.from_numpy(np.asarray(h)).cuda()).cpu().numpy()
+    aliased = jax.jit(jax_overlay.foreign(gelu_into, framework="torch", result_shape_dtypes=spec,
+                                          out=True, input_output_aliases={0: 0}),
+                      donate_argnums=0)
+    chain = [x + 0]  # a buffer of its own to donate, then each call's output
+    t2 = t.clone()
+
+    def in_place():
+        chain[0] = aliased(chain[0])
+        chain[0].block_until_ready()
+
+    def torch_in_place():
+        gelu_into(t2, t2)
+        torch.cuda.synchronize()
     pure = jax.jit(lambda v: jax.pure_callback(host_gelu, spec, v))
     own = jax.jit(lambda v: jax.nn.gelu(v, approximate=False))  # the same (erf) gelu
 
@@ -85,6 +102,13 @@ def cases(n):
         out["foreign out=True"] = lambda: into(x).block_until_ready()
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         out["foreign out=True"] = f"{type(e).__name__}: {e}"[:200]
+    try:  # its first call: gelu of x, in place
+        in_place()
+        np.testing.assert_allclose(np.asarray(chain[0]), gelu(t).cpu().numpy(), rtol=1e-6, atol=1e-6)
+        out["foreign in place"] = in_place
+        out["torch in place"] = torch_in_place
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        out["foreign in place"] = f"{type(e).__name__}: {e}"[:200]
     return out
 
 

@@ -4,19 +4,31 @@ Buffers, the same jit without any callback, and jax.pure_callback, in one
 jit each, same process, alternating rounds, end to end (dispatch to ready).
 foreign - bare callback is jax_overlay's own share (pytrees, views, tokens,
 the stream context, checks); bare callback - plain jit is the mechanism's
-floor.
+floor.  "control" is the same work with no JAX at all (NumPy, or PyTorch
+with a synchronize), in every round: host drift shows in it; "control in
+place" the op on the framework's own array, in place.
 
   --backend cpu        framework "numpy" on the CPU backend
   --backend cpu-torch  framework "torch" on the CPU backend (CPU tensors)
   --backend gpu        framework "torch" on the GPU (needs PyTorch with CUDA)
 
     python benchmarks/probe_foreign.py [--backend cpu] [--rounds 15] [--calls 300] [--n 1024]
-        [--profile CALLS [--top 30]] [--json FILE]
+        [--pipelined] [--profile CALLS [--top 30]] [--json FILE]
 
 "empty buffer_callback" is XLA calling into Python that does nothing: with
 "jit, no callback" it splits a call's floor into dispatch and mechanism.
 The allocator settings (XLA_PYTHON_CLIENT_*) are printed with the table:
 run once per setting, each its own process.
+
+"jit, no callback, donated" is the plain jit with its input donated (each
+call's output is the next call's input): no fresh output is allocated, so
+against the plain jit it prices XLA's allocation of the output.  "in place,
+donated" is foreign's out=True with input_output_aliases={0: 0}, donated
+the same way: fn doubles XLA's buffer in place, nothing allocated or copied.
+--pipelined also times each case with the calls dispatched back to back and
+one wait at the end: the device's time per call where that is the larger
+(a large op), the host's where not.  End to end less pipelined is what a
+lone call waits beyond the work itself.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ from jax_overlay import _foreign  # noqa: E402
 # around it is the end-to-end time less this.
 _INSIDE: dict = {}
 _PROFILE: list = []  # a cProfile.Profile while profiling, else empty
+_MODE = [""]  # appended to the case's name in _INSIDE: " pipelined" while timed so
 
 
 def _timed(name, cb):
@@ -55,7 +68,7 @@ def _timed(name, cb):
         try:
             cb(*a)
         finally:
-            _INSIDE.setdefault(name, []).append(time.perf_counter() - t0)
+            _INSIDE.setdefault(name + _MODE[0], []).append(time.perf_counter() - t0)
             if prof is not None:
                 prof.disable()
     return timed
@@ -78,10 +91,21 @@ def _cpu_cases(x, spec):
 
     def into(a, out):
         np.multiply(a, 2, out=out)  # returns out: with out=True fn returns None
-    return ("numpy", bare, lambda a: a * 2, into), f"jax {jax.__version__}, CPU backend"
+
+    def in_place(a, out):  # out is a's buffer
+        np.multiply(out, 2, out=out)
+    h, h2 = np.asarray(x).copy(), np.asarray(x).copy()
+
+    def control():
+        return h * 2
+
+    def control_in_place():
+        return np.multiply(h2, 2, out=h2)
+    return (("numpy", bare, lambda a: a * 2, into, in_place, control, control_in_place),
+            f"jax {jax.__version__}, CPU backend")
 
 
-def _torch_cases(gpu):
+def _torch_cases(x, gpu):
     """PyTorch's cases: on the GPU (XLA's stream made PyTorch's) or on the
     CPU backend (CPU tensors, no stream)."""
     import torch
@@ -107,9 +131,36 @@ def _torch_cases(gpu):
 
     def into(a, out):
         torch.mul(a, 2, out=out)
+
+    def in_place(a, out):  # out is a's buffer
+        out.mul_(2)
+    t, t2 = (torch.from_numpy(np.asarray(x).copy()) for _ in range(2))
+    if gpu:
+        t, t2 = t.cuda(), t2.cuda()
+
+    def control():  # the op alone, no JAX (on the GPU, main() waits with a synchronize)
+        return t * 2
+
+    def control_in_place():
+        return t2.mul_(2)
     env = (f"{torch.cuda.get_device_name()}, jax {jax.__version__}, torch {torch.__version__}"
            if gpu else f"jax {jax.__version__}, torch {torch.__version__}, CPU backend")
-    return ("torch", bare, lambda a: a * 2, into), env
+    return ("torch", bare, lambda a: a * 2, into, in_place, control, control_in_place), env
+
+
+def _chained(f):
+    """jit(f) with its input donated, as a step of a chain: each call's
+    output is the next call's input (the values double; the work does not
+    depend on them), so XLA allocates no output."""
+    g = jax.jit(f, donate_argnums=0)
+    chain = [None]
+
+    def step(v):
+        if chain[0] is None:
+            chain[0] = v + 0  # a buffer of its own to donate
+        chain[0] = g(chain[0])
+        return chain[0]
+    return step
 
 
 def main():
@@ -118,6 +169,8 @@ def main():
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--n", type=int, default=1024)
+    p.add_argument("--pipelined", action="store_true",
+                   help="also time the calls dispatched back to back, one wait at the end")
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="then profile the foreign callback over CALLS calls")
     p.add_argument("--top", type=int, default=30)
@@ -127,11 +180,14 @@ def main():
     if args.backend != "gpu":
         x = jax.device_put(x, jax.devices("cpu")[0])
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    (framework, bare, fn, into), env = (_cpu_cases(x, spec) if args.backend == "cpu"
-                                        else _torch_cases(args.backend == "gpu"))
+    (framework, bare, fn, into, in_place, control, control_in_place), env = (
+        _cpu_cases(x, spec) if args.backend == "cpu" else _torch_cases(x, args.backend == "gpu"))
     make = _foreign._make_callback
     cases = {
+        "control (no jax)": lambda v: control(),
+        "control in place (no jax)": lambda v: control_in_place(),
         "jit, no callback": jax.jit(lambda v: v * 2),
+        "jit, no callback, donated": _chained(lambda v: v * 2),
         # The mechanism alone: XLA calls into Python, which does nothing
         # (the output is left as XLA allocated it: timing only).
         "empty buffer_callback": jax.jit(buffer_callback(_timed("empty buffer_callback", _nothing),
@@ -141,39 +197,62 @@ def main():
             fn, framework=framework, result_shape_dtypes=spec)),
         f"foreign {framework} out=True": jax.jit(jax_overlay.foreign(
             into, framework=framework, result_shape_dtypes=spec, out=True)),
+        f"foreign {framework} in place, donated": _chained(jax_overlay.foreign(
+            in_place, framework=framework, result_shape_dtypes=spec, out=True,
+            input_output_aliases={0: 0})),
         "pure_callback": jax.jit(lambda v: jax.pure_callback(lambda h: np.asarray(h) * 2, spec, v)),
     }
     try:  # the foreign callbacks are made on the first call: time them
         for k, f in cases.items():
             _foreign._make_callback = _named(k, make)
             y = f(x)
-            if k != "empty buffer_callback":
+            if k not in ("empty buffer_callback", "control in place (no jax)"):
+                if not isinstance(y, (jax.Array, np.ndarray)):
+                    y = y.cpu()  # the PyTorch control
                 np.testing.assert_allclose(np.asarray(y), np.asarray(x) * 2)
     finally:
         _foreign._make_callback = make
     _INSIDE.clear()
-    per = {k: [] for k in cases}
+    controls = ("control (no jax)", "control in place (no jax)")
+    ready = {k: (lambda y: y) if k in controls else (lambda y: y.block_until_ready())
+             for k in cases}
+    if args.backend == "gpu":
+        import torch
+        for k in controls:
+            ready[k] = lambda y: torch.cuda.synchronize()
+    modes = {"": False, " pipelined": True} if args.pipelined else {"": False}
+    per = {k + m: [] for k in cases for m in modes}
     names = list(cases)
     for r in range(args.rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:
-            f = cases[k]
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                f(x).block_until_ready()
-            per[k].append((time.perf_counter() - t0) / args.calls * 1e6)
-    base = per["bare buffer_callback"]
+            f, wait = cases[k], ready[k]
+            for m, piped in modes.items():
+                _MODE[0] = m
+                t0 = time.perf_counter()
+                if piped:  # dispatched back to back, one wait at the end
+                    for _ in range(args.calls):
+                        y = f(x)
+                    wait(y)
+                else:  # end to end, one at a time
+                    for _ in range(args.calls):
+                        wait(f(x))
+                per[k + m].append((time.perf_counter() - t0) / args.calls * 1e6)
+    _MODE[0] = ""
     alloc = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE",
                                            "XLA_PYTHON_CLIENT_ALLOCATOR",
                                            "XLA_PYTHON_CLIENT_MEM_FRACTION")}
     print(f"# {args.n} float32, {env}, {args.rounds} alternating rounds of {args.calls} calls "
-          "(dispatch to ready); 'in Python' is the median time inside the callback; "
+          "(dispatch to ready; 'pipelined': back to back, one wait); 'x bare callback' is "
+          "against the bare callback timed the same way; 'in Python' is the median time "
+          "inside the callback; "
           f"allocator settings {alloc}")
-    print(f"{'case':30s} {'us':>8s} {'x bare callback':>16s} {'in Python us':>13s}")
+    print(f"{'case':40s} {'us':>8s} {'x bare callback':>16s} {'in Python us':>13s}")
     report = {}
     for k, ts in per.items():
+        base = per["bare buffer_callback" + (" pipelined" if k.endswith(" pipelined") else "")]
         ratio = statistics.median(a / b for a, b in zip(ts, base))
         inside = f"{statistics.median(_INSIDE[k]) * 1e6:13.1f}" if k in _INSIDE else f"{'-':>13s}"
-        print(f"{k:30s} {statistics.median(ts):8.1f} {ratio:16.2f} {inside}")
+        print(f"{k:40s} {statistics.median(ts):8.1f} {ratio:16.2f} {inside}")
         report[k] = {"us": statistics.median(ts), "x_bare": ratio,
                      "in_python_us": statistics.median(_INSIDE[k]) * 1e6 if k in _INSIDE else None}
     if args.json:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A GPU session's runs in two device calls of under 10 minutes each, every
+# A GPU session's runs in three device calls of under 10 minutes each, every
 # log in /tmp/o, tarred into $OUT/all.tgz (one file comes back).  The GPU
 # machine has no registry: carry these ignored inputs, made where one is
 #   mkdir -p build/wheels; pip download --no-deps -d build/wheels wrap_torch2jax
@@ -13,9 +13,10 @@
 #                                 + the PyTorch CPU tests, with this PyTorch),
 #                                 the doctor, the drop-in A/B
 #   bash tools/gpu_session.sh 2   the Numba frees probe, JAX's interop tests
-#                                 (both trees), the foreign probes and
-#                                 benchmark (XLA's pool preallocated and
-#                                 not)
+#                                 (both trees)
+#   bash tools/gpu_session.sh 3   the foreign probes (the large op also
+#                                 pipelined) and benchmark, XLA's pool
+#                                 preallocated and not
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -39,9 +40,11 @@ case "${1:-}" in
     >"$O/dropin-ab.log" 2>&1
   echo "dropin bench exit status $?"; cat "$O/dropin-ab.txt" 2>/dev/null
   ;;
-2)
+2|3)
   "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
   export PYTHONPATH=$PWD
+  ;;&
+2)
   NP=$(mktemp -d)
   [ -n "$W" ] && "$PY" -m pip install -q --no-deps --no-index --target "$NP" "$W"
   PYTHONPATH=$NP:$PWD timeout 150 "$PY" benchmarks/probe_numba_frees.py --trials 100 \
@@ -51,12 +54,15 @@ case "${1:-}" in
       --out "$O/interop-$t.json" >"$O/interop-$t.txt" 2>&1
     echo "interop $t exit status $?" | tee -a "$O/interop-$t.txt"; tail -3 "$O/interop-$t.txt"; tarball
   done
+  ;;
+3)
   T2J=$(mktemp -d)
   "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
   for pre in false true; do
     for n in 1024 67108864; do
-      calls=200 rounds=7; [ "$n" -gt 1024 ] && calls=10 rounds=5
-      XLA_PYTHON_CLIENT_PREALLOCATE=$pre timeout 100 "$PY" benchmarks/probe_foreign.py \
+      # The large op also pipelined: its device time per call beside its latency.
+      calls=200 rounds=7 more=; [ "$n" -gt 1024 ] && calls=10 rounds=5 more=--pipelined
+      XLA_PYTHON_CLIENT_PREALLOCATE=$pre timeout 150 "$PY" benchmarks/probe_foreign.py $more \
         --backend gpu --rounds $rounds --calls $calls --n $n --json "$O/foreign-probe-$n-pre$pre.json" \
         >"$O/foreign-probe-$n-pre$pre.txt" 2>&1; tarball
     done
@@ -66,5 +72,5 @@ case "${1:-}" in
   done
   cat "$O"/foreign-probe-*.txt "$O"/foreign-ab-pre*.txt 2>/dev/null
   ;;
-*) echo "usage: $0 1|2" >&2; exit 2 ;;
+*) echo "usage: $0 1|2|3" >&2; exit 2 ;;
 esac
