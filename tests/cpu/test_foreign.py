@@ -184,6 +184,27 @@ def test_aliases_returned_outputs_and_vmap_and_grad():
     np.testing.assert_allclose(np.asarray(g), np.asarray(x) * 6)  # d(3v·v)/dv
 
 
+def test_aliases_under_vmap_of_an_unbatched_input():
+    """Batching one input only: "sequential" and "broadcast_all" give the
+    aliased output its values per element; "expand_dims" would alias a
+    (1, n) input to a (3, n) output, which XLA refuses as a ValueError at
+    lowering, not a crash."""
+    def fn(x, y, *, out):
+        np.add(out, y, out=out)
+
+    def f(method):
+        return numpy_fn(fn, lambda x, y: x, out=True, input_output_aliases={0: 0},
+                        vmap_method=method)
+    x, ys = on_cpu(jnp.arange(4.0)), on_cpu(jnp.arange(12.0).reshape(3, 4))
+    for method in ("sequential", "broadcast_all"):
+        got = jax.vmap(f(method), in_axes=(None, 0))(x, ys)
+        np.testing.assert_array_equal(np.asarray(got), np.arange(4.0) + np.arange(12.0).reshape(3, 4))
+    with pytest.raises(ValueError, match="output_operand_alias"):
+        jax.vmap(f("expand_dims"), in_axes=(None, 0))(x, ys)
+    got = jax.vmap(f("expand_dims"))(ys, ys)  # both batched: fine
+    np.testing.assert_array_equal(np.asarray(got), np.arange(12.0).reshape(3, 4) * 2)
+
+
 @pytest.mark.parametrize("aliases, error, match", [
     ([(0, 0)], TypeError, "must be a dict"),
     ({0.0: 0}, TypeError, "input index 0.0 is a float"),
