@@ -330,6 +330,11 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         raise ValueError(
             f"vjp={vjp!r}: the one named vjp is 'autograd', for framework='torch'; "
             "otherwise pass a function of the same framework")
+    if vjp == "autograd" and out:
+        raise ValueError(
+            "vjp='autograd' differentiates the outputs fn returns, and with out=True fn "
+            "returns none (PyTorch's autograd does not follow out= arguments): drop out=True "
+            "for autograd (fn's outputs are then copied into XLA's), or pass a vjp function")
     if vjp is not None and not isinstance(vjp, str) and not callable(vjp):
         raise TypeError(f"vjp must be callable, 'autograd' or None, got {type(vjp).__qualname__}")
 

@@ -89,6 +89,13 @@ def test_in_place_on_a_donated_input():
     np.testing.assert_array_equal(np.asarray(x), np.arange(8))  # not donated: kept
 
 
+def test_autograd_with_out_true_is_refused_when_made():
+    """PyTorch's autograd cannot follow out= writes: refused at once, not at
+    the first jax.grad."""
+    with pytest.raises(ValueError, match="vjp='autograd' differentiates the outputs fn returns"):
+        torch_fn(lambda x, out: torch.mul(x, 3, out=out), out=True, vjp="autograd")
+
+
 def test_pytrees_of_several_inputs_and_outputs():
     def fn(a, bc):
         b, c = bc["b"], bc["c"]
