@@ -67,7 +67,7 @@ case "${1:-}" in
         >"$O/foreign-probe-$n-pre$pre.txt" 2>&1; tarball
     done
     XLA_PYTHON_CLIENT_PREALLOCATE=$pre PYTHONPATH=$PWD:$T2J timeout 150 "$PY" \
-      benchmarks/bench_foreign.py --rounds 7 --out "$O" --tag "-pre$pre" >/dev/null 2>"$O/foreign-ab-pre$pre.err"
+      benchmarks/bench_foreign.py --rounds 7 --out "$O" --tag="-pre$pre" >/dev/null 2>"$O/foreign-ab-pre$pre.err"
     echo "foreign bench (preallocate=$pre) exit status $?"; tarball
   done
   cat "$O"/foreign-probe-*.txt "$O"/foreign-ab-pre*.txt 2>/dev/null

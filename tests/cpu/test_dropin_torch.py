@@ -148,8 +148,8 @@ def test_the_truth_sees_the_bits():
 
 def _export_cases(dtype):
     """JAX CPU arrays read by PyTorch, through DLPack and through NumPy."""
-    def x():
-        return jnp.asarray(D.values((8, 16), dtype))
+    def x():  # on the CPU also where the default device is a GPU
+        return jnp.asarray(D.values((8, 16), dtype), device=jax.devices("cpu")[0])
     reads = {
         "torch.from_dlpack": lambda: torch.from_dlpack(x()),
         "torch.from_dlpack(.T)": lambda: torch.from_dlpack(x().T),
