@@ -230,10 +230,17 @@ def _check_placement(args, framework):
     the wrong kind of device.  (Traced inputs are checked in the call.)"""
     place = _PLACES[framework]
     gpu = place == "gpu"
-    for i, x in enumerate(jax.tree_util.tree_leaves(args)):
-        sharding = getattr(x, "sharding", None)
-        if not isinstance(x, jax.Array) or sharding is None or isinstance(x, jax.core.Tracer):
+    leaves = jax.tree_util.tree_leaves(args)
+    concrete = [isinstance(x, jax.Array) and getattr(x, "sharding", None) is not None
+                and not isinstance(x, jax.core.Tracer) for x in leaves]
+    # An uncommitted array (one JAX made on its default device: jnp.ones,
+    # grad's cotangent) goes where the committed ones are: only it alone
+    # says where the call runs.
+    committed = any(c and getattr(x, "committed", True) for x, c in zip(leaves, concrete))
+    for i, (x, c) in enumerate(zip(leaves, concrete)):
+        if not c or (committed and not getattr(x, "committed", True)):
             continue
+        sharding = x.sharding
         devices = sharding.device_set
         if len(devices) > 1:
             raise ValueError(

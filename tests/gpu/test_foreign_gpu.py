@@ -404,3 +404,24 @@ def test_steps_of_a_scan_read_the_step_before(framework):
         np.testing.assert_allclose(
             np.asarray(jax.jit(jax.grad(loss(g)))(x)),
             np.asarray(jax.grad(loss(lambda v: jnp.tanh(v) * 1.5 + 0.25))(x)), rtol=2e-5, atol=2e-6)
+
+
+def test_numpy_takes_uncommitted_arrays_as_jax_places_them():
+    """On a GPU machine, framework="numpy" with a committed CPU input takes
+    an uncommitted array JAX made on its default device (the GPU) and moves
+    it to the CPU, as JAX does; eager grad's cotangent is such an array.
+    Uncommitted arrays alone run on the GPU: refused, naming it."""
+    cpu = jax.devices("cpu")[0]
+    f = jax_overlay.foreign(lambda x, y: x + y, framework="numpy",
+                            result_shape_dtypes=lambda x, y: x, vjp=lambda x, y, ct: (ct, ct))
+    x = jax.device_put(jnp.arange(3.0), cpu)
+    y = jnp.ones(3)
+    assert not y.committed and y.devices() != {cpu}
+    out = f(x, y)
+    assert out.devices() == {cpu}
+    np.testing.assert_array_equal(np.asarray(out), np.arange(3.0) + 1)
+    g = jax.grad(lambda v: f(v, x).sum())(x)
+    assert g.devices() == {cpu}
+    np.testing.assert_array_equal(np.asarray(g), np.ones(3))
+    with pytest.raises(ValueError, match="input 0 is on gpu, and framework='numpy' runs on the CPU"):
+        f(jnp.ones(3), jnp.ones(3))
