@@ -6,6 +6,7 @@ is in flight.  Per call, each timed apart (CuPy and PyTorch producers,
 4 KiB float32):
   import         v = jnp.asarray(a), then v.block_until_ready() (untimed)
   copy dispatch  y = jnp.array(v)
+  copy of a fresh import  the same, right after the import, not waited for
   drop, in flight  del v, the copy maybe still running
   drop, ready    del v after y.block_until_ready(): nothing left to wait for
 If "drop, in flight" exceeds "drop, ready", the release waits for the copy
@@ -32,7 +33,7 @@ import torch  # noqa: E402
 import jax_overlay  # noqa: E402
 
 N_ITEMS = 1024
-PARTS = ("import", "copy dispatch", "drop, in flight", "drop, ready")
+PARTS = ("import", "copy dispatch", "copy of a fresh import", "drop, in flight", "drop, ready")
 
 
 def one_side(a, calls):
@@ -54,6 +55,14 @@ def one_side(a, calls):
         del v
         t5 = clock()
         y.block_until_ready()
+        del y
+        w = jnp.asarray(a)  # copied at once, as jnp.array(a) does
+        t6 = clock()
+        y = jnp.array(w)
+        t7 = clock()
+        del w
+        y.block_until_ready()
+        got["copy of a fresh import"].append(t7 - t6)
         got["import"].append(t1 - t0)
         got["copy dispatch"].append(t3 - t2)
         got["drop, ready" if ready else "drop, in flight"].append(t5 - t4)
