@@ -11,7 +11,8 @@
 #       tests/array_interoperability_test.py | tar -x -C build/jax_interop_src/${t%%:*}; done
 #   bash tools/gpu_session.sh 1   the GPU suite (+ Numba under NumPy 2.4.6;
 #                                 + the PyTorch CPU tests, with this PyTorch),
-#                                 the doctor, the drop-in A/B
+#                                 the doctor, the drop-in A/B and what
+#                                 releasing an import costs
 #   bash tools/gpu_session.sh 2   the Numba frees probe, JAX's interop tests
 #                                 (both trees)
 #   bash tools/gpu_session.sh 3   the foreign probes (the large op also
@@ -38,7 +39,10 @@ case "${1:-}" in
   grep -E "^(FAILED|ERROR)" "$O/suite.txt" | head -30
   PYTHONPATH=$PWD timeout 120 "$PY" benchmarks/bench_dropin.py --rounds 15 --out "$O" \
     >"$O/dropin-ab.log" 2>&1
-  echo "dropin bench exit status $?"; cat "$O/dropin-ab.txt" 2>/dev/null
+  echo "dropin bench exit status $?"; cat "$O/dropin-ab.txt" 2>/dev/null; tarball
+  PYTHONPATH=$PWD timeout 60 "$PY" benchmarks/probe_release.py --json "$O/release.json" \
+    >"$O/release.txt" 2>&1
+  echo "release probe exit status $?"; cat "$O/release.txt"
   ;;
 2|3)
   "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
