@@ -93,13 +93,13 @@ def main():
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, cupy {cp.__version__}, "
           f"torch {torch.__version__}; {args.rounds} alternating rounds of {args.calls} calls; "
           "µs, median of the rounds' medians")
-    print(f"{'producer':8s} {'part':18s} {'stock':>8s} {'installed':>10s}")
+    print(f"{'producer':8s} {'part':24s} {'stock':>8s} {'installed':>10s}")
     report = {}
     for lib in src:
         for k in PARTS:
             s, i = (statistics.median(per[(lib, side, k)]) for side in ("stock", "installed"))
             report[f"{lib} {k}"] = {"stock_us": s, "installed_us": i}
-            print(f"{lib:8s} {k:18s} {s:8.2f} {i:10.2f}")
+            print(f"{lib:8s} {k:24s} {s:8.2f} {i:10.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
