@@ -66,13 +66,17 @@ def _spec_leaf(x, where):
     return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
 
 
+def _spec_of(x):
+    """An input's shape and dtype, as JAX will see it."""
+    return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+
+
 def _result_spec(result_shape_dtypes, args):
     """The outputs' pytree of ShapeDtypeStructs: given, or computed from the
     inputs' shapes and dtypes."""
     spec = result_shape_dtypes
     if callable(spec) and not hasattr(spec, "shape"):
-        spec = spec(*jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), args))
+        spec = spec(*jax.tree_util.tree_map(_spec_of, args))
     leaves, tree = jax.tree_util.tree_flatten_with_path(spec)
     flat = [_spec_leaf(x, jax.tree_util.keystr(path)) for path, x in leaves]
     return jax.tree_util.tree_unflatten(tree, flat)
@@ -230,17 +234,16 @@ def _check_placement(args, framework):
     the wrong kind of device.  (Traced inputs are checked in the call.)"""
     place = _PLACES[framework]
     gpu = place == "gpu"
-    leaves = jax.tree_util.tree_leaves(args)
-    concrete = [isinstance(x, jax.Array) and getattr(x, "sharding", None) is not None
-                and not isinstance(x, jax.core.Tracer) for x in leaves]
+    arrays = [(i, x) for i, x in enumerate(jax.tree_util.tree_leaves(args))
+              if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+              and getattr(x, "sharding", None) is not None]
     # An uncommitted array (one JAX made on its default device: jnp.ones,
-    # grad's cotangent) goes where the committed ones are: only it alone
-    # says where the call runs.
-    committed = any(c and getattr(x, "committed", True) for x, c in zip(leaves, concrete))
-    for i, (x, c) in enumerate(zip(leaves, concrete)):
-        if not c or (committed and not getattr(x, "committed", True)):
-            continue
-        sharding = x.sharding
+    # grad's cotangent) goes where the committed ones are: only uncommitted
+    # arrays alone say where the call runs.
+    if any(getattr(x, "committed", True) for _, x in arrays):
+        arrays = [(i, x) for i, x in arrays if getattr(x, "committed", True)]
+    for i, x in arrays:
+        sharding: Any = x.sharding  # jaxlib types its devices loosely
         devices = sharding.device_set
         if len(devices) > 1:
             raise ValueError(
@@ -283,8 +286,8 @@ def _aliases(given, in_leaves, out_leaves):
             raise ValueError(f"input_output_aliases: output {o} is given both input "
                              f"{taken[o]} and input {i}; alias each output to one input")
         taken[o] = i
-        x, spec = in_leaves[i], out_leaves[o]
-        shape, dtype = tuple(np.shape(x)), np.dtype(jax.numpy.result_type(x))
+        have, spec = _spec_of(in_leaves[i]), out_leaves[o]
+        shape, dtype = tuple(have.shape), np.dtype(have.dtype)
         if shape != tuple(spec.shape) or dtype != np.dtype(spec.dtype):
             raise ValueError(
                 f"input_output_aliases: input {i} is {dtype}{list(shape)} and output {o} is "
