@@ -70,12 +70,14 @@ def device_of(x):
 def jax_device_of(x):
     """The JAX device stock JAX assigns to a producer's memory (kDLCPU: the
     CPU device of that id; kDLCUDA and kDLCUDAHost: that GPU), or None for
-    a type it does not map (kDLCUDAHost on jax 0.10: stock refuses it)."""
+    a type it does not map (kDLCUDAHost on jax 0.10: stock refuses it) and
+    for a CPU id this process lacks (stock's lookup error; the import views
+    such memory on the first CPU device)."""
     dl_type, dl_id = device_of(x)
     if dl_type not in _STOCK_PLATFORMS:
         return None
     if dl_type == KDLCPU:
-        return rt.host_device() if dl_id == 0 else None
+        return rt.cpu_device(dl_id)
     if dl_type in (KDLCUDA, KDLCUDAHOST):
         return rt.gpu_device(dl_id)
     return None
@@ -157,7 +159,8 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
     """(array, copied) for a ``__dlpack__`` producer or a raw capsule.
     `advertised`: the producer's ``__dlpack_device__()`` if already asked.
     `host_device`: the CPU device that views host memory (kDLCPU), which
-    belongs to no device in particular; default JAX's first CPU device."""
+    belongs to no device in particular; default the CPU device of the
+    producer's id, as stock places it."""
     resolved = False
     if type(x) is CapsuleType:
         cap = x
@@ -209,7 +212,7 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
     elif dl_type == KDLCUDAHOST:
         device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDAHOST, 1
     else:
-        device, jax_type, alignment = host_device or rt.host_device(), KDLCPU, 1
+        device, jax_type, alignment = host_device or rt.cpu_device(dl_id) or rt.host_device(), KDLCPU, 1
     if view.layout != "strided" and view.data % alignment == 0:
         # On the host jaxlib copies unaligned memory itself unless told not to.
         jax_copy = False if copy is False and jax_type != KDLCUDA else None
@@ -226,7 +229,7 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
 def _empty(shape, dtype, dl_type, dl_id, host_device):
     host = np.empty(shape, dtype)
     if dl_type == KDLCPU:
-        target = host_device or rt.host_device()
+        target = host_device or rt.cpu_device(dl_id) or rt.host_device()
     else:
         kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"
         target = rt.memory_sharding(rt.gpu_device(dl_id), kind)
@@ -412,7 +415,8 @@ def from_dlpack(x: Any, /, *, device: jax.Device | jax.sharding.Sharding | None 
       producer's ``__dlpack_device__``, whatever device is current (the
       producer's ``__dlpack__`` is called with its own device current).
       Host memory (kDLCPU) belongs to every CPU device: ``device=`` a CPU
-      device views it there, else it lands on JAX's first CPU device.
+      device views it there (stock JAX copies it there), else it lands on
+      the CPU device of the producer's id, as on stock.
     * Strided or misaligned tensors: one copy on the same device
       (BufferError with ``copy=False``); ``device=`` and ``copy=True`` as in
       :func:`from_cuda_array_interface`.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import numbers
 import operator
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -102,6 +101,12 @@ def check_live(x):
 
 def _check(x):
     """The precise error for an array the fast path turned away."""
+    if isinstance(x, rt.ArrayImpl) and x.is_deleted():
+        # An AttributeError too: hasattr(x, "__cuda_array_interface__") says
+        # False for a deleted or donated array, as on stock, and never raises.
+        raise like_stock(BufferError(
+            "the JAX array was deleted or donated: its buffer is gone, so it has "
+            "no __cuda_array_interface__"), AttributeError)
     check_live(x)
     devices = x.sharding.device_set
     if len(devices) != 1:
@@ -264,7 +269,10 @@ def _dl_dtype(dtype):
         return (_DL_KIND_CODES[dtype.kind], dtype.itemsize * 8, 1)
     code = _DL_NAMED_CODES.get(dtype.name)
     if code is None:
-        raise BufferError(f"DLPack has no type code for {dtype}")
+        # jaxlib refuses it with its runtime error ("no DLPack equivalent").
+        raise like_stock(BufferError(
+            f"DLPack has no type code for {dtype}: convert the array (astype) to a "
+            "type DLPack describes first"), JaxRuntimeError)
     return (code, dtype.itemsize * 8, 1)
 
 
@@ -341,48 +349,137 @@ def _cuda_gpus():
 
 
 def ours(x) -> bool:
-    """Whether jax_overlay exports `x` (CPU and CUDA arrays); other
-    platforms keep JAX's own protocol methods."""
+    """Whether jax_overlay exports `x`: CUDA arrays, and CPU arrays where the
+    running jaxlib has no DLPack 1.x of its own (its CPU export is right
+    from jaxlib 0.12 on: versioned capsules, READ_ONLY, IS_COPIED).  Other
+    platforms, and deleted or donated arrays (nothing to export: stock's
+    own error is the one to keep), keep JAX's own protocol methods."""
+    if x.is_deleted():
+        return False
     platform = x.platform()
-    return platform == "cpu" or (platform == "gpu" and _cuda_gpus())
+    if platform == "cpu":
+        return not rt.NATIVE_DLPACK_1
+    return platform == "gpu" and _cuda_gpus()
+
+
+def _device_of(x):
+    """The one device of `x`, BufferError for a sharded array."""
+    sharding = x.sharding
+    if type(sharding) is jax.sharding.SingleDeviceSharding:
+        return sharding._device
+    devices = sharding.device_set
+    if len(devices) != 1:
+        raise BufferError(
+            f"__dlpack__ describes one buffer, but this array is sharded "
+            f"over {len(devices)} devices; export each shard instead: "
+            f"{_PER_SHARD}.__dlpack__")
+    device, = devices
+    return device
 
 
 def dlpack_device(x):
     """``__dlpack_device__``: where the array's memory is.  A ``pinned_host``
     array is kDLCUDAHost (jax < 0.10.2 said kDLCUDA), device memory kDLCUDA,
-    a CPU array kDLCPU."""
-    sharding = x.sharding
-    device: Any
-    if type(sharding) is jax.sharding.SingleDeviceSharding:
-        device = sharding._device
-    else:
-        devices = sharding.device_set
-        if len(devices) != 1:
-            raise BufferError(
-                f"__dlpack__ describes one buffer, but this array is sharded "
-                f"over {len(devices)} devices; export each shard instead: "
-                f"{_PER_SHARD}.__dlpack__")
-        device, = devices
+    a CPU array kDLCPU: (kDLCPU, 0) for every CPU device, as stock says
+    (host memory belongs to no CPU device in particular); the capsule
+    itself names the device's id, as stock's does (_capsule_device)."""
+    device = _device_of(x)
     if device.platform == "cpu":
         return _DL_CPU
-    return (_DL_CUDAHOST if sharding.memory_kind == "pinned_host" else _DL_CUDA,
+    return (_DL_CUDAHOST if x.sharding.memory_kind == "pinned_host" else _DL_CUDA,
             device.local_hardware_id)
 
 
+def _capsule_device(x, device):
+    """(device type, id) that the capsule of `x`, on `device`, carries:
+    jaxlib's, the device's own id (cpu:1 is (kDLCPU, 1))."""
+    if device.platform == "cpu":
+        return _KDLCPU, device.local_hardware_id
+    return (_KDLCUDAHOST if x.sharding.memory_kind == "pinned_host" else _KDLCUDA,
+            device.local_hardware_id)
+
+
+def _dl_destination(dl_device):
+    """The JAX device `dl_device` names, read as stock's to_dlpack reads it
+    (a falsy pair or device type names none; the pair is unpacked, its type
+    looked up in stock's table, its id in that backend), with stock's
+    classes and our words: ValueError/TypeError for what does not unpack,
+    BufferError for a type stock does not map, its RuntimeError for a
+    backend or id this process does not have."""
+    if not dl_device:
+        return None
+    try:
+        dl_type, dl_id = dl_device
+    except (TypeError, ValueError) as e:  # stock's class, and a TypeError: a wrong type
+        raise like_stock(TypeError(f"dl_device={dl_device!r}: the DLPack protocol asks for a "
+                                   "tuple (device_type: int, device_id: int)"), type(e)) from None
+    if not dl_type:
+        return None
+    try:
+        platform = rt.stock_dlpack_platforms()[dl_type]
+    except (KeyError, TypeError):  # TypeError: unhashable, stock's too
+        raise BufferError(
+            f"dl_device={dl_device!r}: device type {dl_type!r} is not one JAX exports to; "
+            "pass (1, id) for the host or (2, id) for a CUDA device") from None
+    try:
+        return rt.backend(platform).device_from_local_hardware_id(dl_id)
+    except Exception as e:  # jaxlib's runtime error, or its argument TypeError
+        raise like_stock(BufferError(
+            f"dl_device={dl_device!r}: this process has no {platform} device {dl_id!r} ({e})"),
+            type(e)) from None
+
+
 def _versioned(max_version):
-    """Whether a consumer allowing `max_version` gets a versioned capsule;
-    TypeError for anything but None or a (major, minor) pair, or another
-    tuple of numbers, which stock JAX compares as tuples."""
+    """Whether a consumer allowing `max_version` gets a versioned capsule,
+    read as stock's to_dlpack of the running jax reads it: compared with
+    tuples (TypeError, or ValueError, for what does not compare), BufferError
+    below stock's oldest version.  Where jaxlib takes max_version itself,
+    its (int, int) check comes later, with the other arguments jaxlib reads
+    (_jaxlib_arguments)."""
     if max_version is None:
         return False
-    pair = int_pair(max_version)
-    if pair is not None:
-        return pair >= (1, 0)
-    if (type(max_version) is tuple and max_version
-            and all(isinstance(v, numbers.Real) for v in max_version)):
-        return max_version >= (1, 0)
-    raise TypeError(f"max_version={max_version!r}: pass None or a tuple "
-                    "(major: int, minor: int)")
+    stock = rt.stock_dlpack()
+    try:
+        known = (max_version >= tuple(stock.DLPACK_VERSION)
+                 or max_version >= tuple(stock.MIN_DLPACK_VERSION))
+        versioned = bool(known and max_version >= (1, 0))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"max_version={max_version!r}: pass None or a tuple "
+                      "(major: int, minor: int)") from None
+    if not known:
+        raise BufferError(f"max_version={max_version!r}: JAX exports no DLPack "
+                          f"version below {tuple(stock.MIN_DLPACK_VERSION)}")
+    return versioned
+
+
+def _index(v):
+    try:
+        operator.index(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _jaxlib_arguments(stream, max_version):
+    """The refusal of arguments stock's jaxlib call cannot take, as an
+    instance of its TypeError: a stream that is not an int64, and (DLPack
+    1.x native jaxlib) a max_version that is not two ints."""
+    bad = []
+    if stream is not None and not (_index(stream) and -2**63 <= operator.index(stream) < 2**63):
+        bad.append(f"stream={stream!r} (pass None, -1, 1, 2 or a CUDA stream handle)")
+    if rt.NATIVE_DLPACK_1 and max_version is not None and not (
+            not isinstance(max_version, (str, bytes)) and _len(max_version) == 2
+            and all(_index(v) for v in max_version)):
+        bad.append(f"max_version={max_version!r} (pass a tuple (major: int, minor: int))")
+    if bad:
+        raise like_stock(BufferError("__dlpack__: " + "; ".join(bad)), TypeError)
+
+
+def _len(v):
+    try:
+        return len(v)
+    except TypeError:
+        return -1
 
 
 def to_dlpack(x: jax.Array, *, stream: int | None = None,
@@ -402,6 +499,9 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
       on a pinned one) can only be served by waiting for it.
     * ``dl_device=(kDLCPU, 0)`` on a ``pinned_host`` array is a zero-copy CPU
       view; another device copies there (BufferError with ``copy=False``).
+    * Arguments are read, and refused, in the order and with the classes of
+      stock JAX's ``__dlpack__``: ``dl_device``, ``max_version``, the copy,
+      then what jaxlib itself checks (the stream).
     * The capsule holds the array and jaxlib's external reference, which
       makes XLA refuse to donate the buffer while a consumer holds it; only
       a pending array exported with ``stream=-1`` has none (getting one would
@@ -416,89 +516,63 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
             ptr, shape, strides, dl_dtype, dl_type, dl_id = entry[1]
             if dl_type != _KDLCPU or stream is None or stream == -1:
                 versioned = _versioned(max_version)
+                if rt.NATIVE_DLPACK_1 and max_version is not None:
+                    _jaxlib_arguments(stream, max_version)
                 # Lifetime as below: the array holds its buffer, jaxlib's
                 # external reference blocks donation while a consumer holds it.
                 return ext.raw_capsule((x, rt.external_reference(x)), ptr, shape, strides,
                                        dl_dtype, dl_type, dl_id, versioned,
                                        ext.FLAG_READ_ONLY if versioned else 0)
     if type(x) is not rt.ArrayImpl or x.is_deleted():
-        _dl_check(x)  # the precise error; sharded arrays fail in dlpack_device
-    if copy is not None and type(copy) is not bool:
-        copy = bool(copy)  # stock JAX reads copy= by its truth
+        _dl_check(x)  # the precise error
+    source = _device_of(x)  # BufferError for a sharded array, stock's first check
+    # Stock's order: the destination, the version, the copy, then jaxlib's
+    # own checks of what it is passed.
+    dest = _dl_destination(dl_device)
     versioned = _versioned(max_version)
-    want = None
-    if dl_device:  # stock: an empty or falsy dl_device is none
-        want = device_pair(dl_device)
-        if want is None:
-            raise bad_device(f"dl_device={dl_device!r}")
-        if not want[0]:
-            want = None  # stock: device type 0 names no device
-    dl_dtype = _dl_dtype(x.dtype)  # before any copy or reference is made
-    src_type, src_id = dlpack_device(x)
-    src_type, src_id = int(src_type), int(src_id)
-    target = (src_type, src_id)
+    target = _capsule_device(x, source)
     copied = False
-    if want is not None and want != target:
-        if src_type == _KDLCUDAHOST and want == (_KDLCPU, 0):
-            target = want  # the same pinned memory, read by the host
+    if dest is not None and dest != source:
+        if target[0] == _KDLCUDAHOST and dest.platform == "cpu":
+            target = (_KDLCPU, dest.local_hardware_id)  # the same pinned memory, read by the host
+        elif copy is not None and not copy:
+            raise CopyRequiredError(
+                f"Specified dl_device={tuple(dl_device)} which requires a copy since the "
+                f"source device is {source!r}, however copy=False. Set copy=True or "
+                "copy=None to perform the requested operation.")
         else:
-            # The device first, as stock JAX does: an unknown one is its
-            # error whatever copy= says.
-            if want[0] == _KDLCPU:
-                try:
-                    dest = rt.host_backend().device_from_local_hardware_id(want[1])
-                except Exception as e:  # jaxlib's runtime error, stock's too
-                    raise like_stock(BufferError(
-                        f"dl_device={want}: this process has no CPU device {want[1]} ({e})"),
-                        type(e) if isinstance(e, RuntimeError) else RuntimeError) from None
-            elif want[0] == _KDLCUDA:
-                try:
-                    dest = rt.gpu_device(want[1])
-                except BufferError as e:
-                    raise like_stock(type(e)(f"dl_device={want}: {e}"), RuntimeError) from None
-            else:
-                # Stock looks a type it maps up as a backend (RuntimeError
-                # where this process has none), and refuses the others
-                # with BufferError.
-                raise like_stock(BufferError(
-                    f"dl_device={want}: jax_overlay exports to kDLCPU or kDLCUDA"),
-                    RuntimeError if want[0] in rt.stock_dlpack_platforms() else BufferError)
-            if copy is False:
-                raise CopyRequiredError(
-                    f"Specified dl_device={want} which requires a copy since the "
-                    f"source device is {target}, however copy=False (another "
-                    "device needs a copy). Set copy=True or copy=None to "
-                    "perform the requested operation.")
-            x, copied, target = rt.device_put(x, dest), True, want
+            x, copied = rt.device_put(x, dest), True
+            target = _capsule_device(x, dest)
     if copy and not copied:
+        # A fresh buffer on the same device: device_put to where the array
+        # already is would alias it.
         x, copied = rt.device_put(x, x.sharding, may_alias=False), True
-    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)
-                               or stream == 0 or stream < -1):
-        # jaxlib takes an int64 stream (TypeError otherwise) and refuses
-        # what it cannot wait on with its runtime error.
-        stock = (JaxRuntimeError if isinstance(stream, int) and -2**63 <= stream < 2**63
-                 else TypeError)
-        raise like_stock(BufferError(
-            f"stream={stream!r}: pass None (legacy default stream), -1 (no "
-            "ordering), 1, 2 or a CUDA stream handle"), stock)
+    _jaxlib_arguments(stream, max_version)
+    dl_dtype = _dl_dtype(x.dtype)  # jaxlib's refusal: its runtime error
     ready = x.is_ready()  # type: ignore[attr-defined]  # an ArrayImpl: checked above
     if target[0] == _KDLCPU:
-        if stream not in (None, -1):
-            # Stock jaxlib: UNIMPLEMENTED, a JaxRuntimeError (a TypeError
-            # for a stream beyond int64).
+        if stream is not None and stream != -1:
+            # Stock jaxlib: UNIMPLEMENTED ("only implemented for GPU"), a
+            # JaxRuntimeError, for any stream to host memory (-1 too, which
+            # asks for nothing a host reader needs: accepted here).
             raise like_stock(BufferError(
                 f"stream={stream!r} for host memory: CPU consumers pass None"),
-                JaxRuntimeError if stream < 2**63 else TypeError)
+                JaxRuntimeError)
         if not ready:
             x.block_until_ready()  # a host reader has no stream to wait on
             ready = True
+    elif stream is not None and (stream == 0 or stream < -1):
+        # jaxlib refuses what it cannot wait on with its runtime error.
+        raise like_stock(BufferError(
+            f"stream={stream!r}: pass None (legacy default stream), -1 (no "
+            "ordering), 1, 2 or a CUDA stream handle"), JaxRuntimeError)
     # PJRT's external reference makes XLA refuse to donate the buffer while
     # a consumer holds it; jaxlib's capsule carries it and drops it from its
     # destructor (it is never consumed), so it lives exactly as long as ours.
     if ready:
         reference = rt.external_reference(x)
     elif stream != -1:
-        reference = _order(x, _LEGACY_STREAM if stream is None else stream)
+        reference = _order(x, _LEGACY_STREAM if stream is None else operator.index(stream))
     else:
         reference = None  # unordered and pending: only a host wait could get one
     dtype = x.dtype

@@ -44,21 +44,37 @@ _JAX_NATIVE = frozenset({rt.ArrayImpl, np.ndarray, int, float, complex, bool,
 
 
 class _Refused:
-    """The overlay's import refused an object that stock's jnp.asarray and
-    jnp.array read as a generic object (it has no CAI): stock's own outcome
-    decides, with `error` as a note on its error (_stock_after)."""
-    __slots__ = ("error",)
+    """The overlay's import refused an object, or its producer failed, at
+    jnp.asarray or jnp.array: stock's own outcome decides (_stock_after)."""
+    __slots__ = ("error", "obj")
 
-    def __init__(self, error):
+    def __init__(self, error, obj):
         self.error = error
+        self.obj = obj
 
 
 def _stock_after(refused, call):
+    """Stock's outcome for an input the overlay refused.  Stock checks its
+    own arguments (order=, dtype=, device=) before it reads a CAI, and its
+    failure is the one to raise: ours where it is an instance of stock's
+    class too (it says more), else stock's, with ours as a note.  Where
+    stock succeeds, an object stock reads as any other (no CAI) keeps
+    stock's result; a CAI the overlay refused stays refused (stock's view
+    is what the refusal guards against: a mask, a dead producer), as an
+    instance of jaxlib's runtime error, stock's class for a CAI it cannot
+    read."""
     try:
-        return call()
+        out = call()
     except Exception as e:
+        if isinstance(refused.error, type(e)):
+            raise refused.error from None
         e.add_note(f"jax_overlay could not import it either: {refused.error}")
         raise
+    if not _has_cai(refused.obj):
+        return out
+    error = refused.error
+    raise like_stock(error, JaxRuntimeError) from (
+        error.__cause__ if isinstance(error, (BufferError, TypeError, ValueError)) else error)
 
 
 def _has_cai(obj):
@@ -79,8 +95,8 @@ def _foreign(obj, copy, stock_error, cai_first=True):
     (jnp.asarray, jnp.array), so a NumPy array that is also CUDA memory
     (Numba's mapped and managed arrays) is imported through its CAI; else
     (jax.device_put) stock reads it as the NumPy array it also is.  There,
-    an object with no CAI that the import refuses gives _Refused: stock
-    reads it as any other object, and its outcome is the one to keep."""
+    an object the import refuses (or whose producer fails) gives _Refused:
+    stock's own outcome decides what is raised (_stock_after)."""
     t = type(obj)
     if t in _JAX_NATIVE or isinstance(obj, np.generic) or hasattr(obj, "__jax_array__"):
         return None
@@ -88,13 +104,11 @@ def _foreign(obj, copy, stock_error, cai_first=True):
         # No host device: host arrays keep JAX's own path (see the module doc).
         hit = _dlpack.import_foreign(obj, copy, cai_first=cai_first)
     except Exception as e:
-        if cai_first and not _has_cai(obj):
-            return _Refused(e)  # stock reads it as any other object
-        refusal = isinstance(e, (BufferError, TypeError, ValueError))
-        if cai_first and not refusal:
-            raise  # the producer's own failure in the CAI stock reads too
+        if cai_first:
+            return _Refused(e, obj)  # stock's outcome decides (_stock_after)
         # A refusal, or the producer's failure inside jax.device_put, which
         # never asks a producer anything: stock's class too.
+        refusal = isinstance(e, (BufferError, TypeError, ValueError))
         raise like_stock(e, stock_error) from (e.__cause__ if refusal else e)
     if hit is not None and hit[0].sharding.memory_kind == "pinned_host":
         view, copied = hit
@@ -269,12 +283,33 @@ def _device_put(orig):
     return device_put
 
 
+def _ours_to_read(device, copy):
+    """(whether the overlay's import takes these arguments, `device` as stock
+    reads it).  A falsy `device` is none, as stock's checks read it.
+    Arguments outside the protocol (a `device` that is neither a device nor
+    a sharding of one device, a `copy` that is not None or a bool) are
+    stock's to refuse: its from_dlpack raises for them, each at its own
+    point and with its own class (a sharding over several devices at once,
+    jaxlib's TypeError for copy=0 or 'no'), so it is left to do so."""
+    if copy is not None and type(copy) is not bool:
+        return False, device
+    if device is None or isinstance(device, jax.Device):
+        return True, device
+    if isinstance(device, jax.sharding.Sharding):
+        return len(device.device_set) == 1, device
+    try:
+        falsy = not device
+    except Exception:  # no truth value (an array): stock's own error
+        return False, device
+    return falsy, None if falsy else device
+
+
 def _stock_device(x, device, copy):
     """`device` as stock JAX's from_dlpack reads it: a sharding of one device
     is that device (its memory kind is not applied), and with copy=False a
     device other than the producer's is refused before the producer is
     asked for anything (stock's ValueError)."""
-    if isinstance(device, jax.sharding.Sharding) and len(device.device_set) == 1:
+    if isinstance(device, jax.sharding.Sharding):
         device, = device.device_set
     if device is not None and copy is False and hasattr(x, "__dlpack_device__"):
         source = _dlpack.jax_device_of(x)
@@ -289,6 +324,9 @@ def _stock_device(x, device, copy):
 def _from_dlpack(orig):
     @functools.wraps(orig)
     def from_dlpack(external_array, device=None, copy=None):
+        ours, device = _ours_to_read(device, copy)
+        if not ours:
+            return orig(external_array, device, copy)
         device = _stock_device(external_array, device, copy)
         return _dlpack.from_dlpack(external_array, device=device, copy=copy)
     return from_dlpack
@@ -297,6 +335,9 @@ def _from_dlpack(orig):
 def _jnp_from_dlpack(orig):
     @functools.wraps(orig)
     def from_dlpack(x, /, *, device=None, copy=None):
+        ours, device = _ours_to_read(device, copy)
+        if not ours:
+            return orig(x, device=device, copy=copy)
         device = _stock_device(x, device, copy)
         return _dlpack.from_dlpack(x, device=device, copy=copy)
     return from_dlpack

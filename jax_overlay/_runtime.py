@@ -80,8 +80,9 @@ def gpu_device(ordinal: int):
     return dev
 
 
-def host_backend():
-    return _xb.get_backend("cpu")
+def backend(platform: str):
+    """JAX's backend of `platform`; its RuntimeError where there is none."""
+    return _xb.get_backend(platform)
 
 
 @functools.cache
@@ -91,14 +92,38 @@ def stock_dlpack_platforms() -> dict[int, str]:
     (export); a platform this process has no backend for, its RuntimeError
     ("Unknown backend").  Read from the installed jax (jax 0.10 maps
     kDLCPU, kDLCUDA and kDLROCM; 0.12 also kDLCUDAHost and others)."""
-    from jax._src import dlpack as stock
-    table = getattr(stock, "_DL_DEVICE_TO_PLATFORM", None) or {1: "cpu", 2: "cuda", 10: "rocm"}
+    table = getattr(stock_dlpack(), "_DL_DEVICE_TO_PLATFORM", None) or {1: "cpu", 2: "cuda", 10: "rocm"}
     return {int(k): v for k, v in table.items()}
+
+
+def stock_dlpack():
+    """Stock JAX's DLPack module (its tables and versions), read where the
+    overlay's export must ask what the running jax does."""
+    from jax._src import dlpack as stock
+    return stock
+
+
+# The running jaxlib exports and imports DLPack 1.x (versioned capsules,
+# READ_ONLY, IS_COPIED) itself: jaxlib 0.12 (extension 499) on.  Where it
+# does, stock's CPU export is right and the overlay steps aside for it.
+NATIVE_DLPACK_1 = tuple(getattr(stock_dlpack(), "DLPACK_VERSION", (0, 8))) >= (1, 0)
 
 
 @functools.cache
 def host_device():
     return jax.devices("cpu")[0]
+
+
+def cpu_device(dl_id):
+    """The CPU device a kDLCPU producer's id names, as stock's from_dlpack
+    looks it up (host memory of (kDLCPU, 1) lands on cpu:1), or None where
+    this process has no such device: stock's lookup fails there, and host
+    memory is readable from any CPU device, so the callers view it on the
+    first one (host_device) rather than fail."""
+    try:
+        return _xb.get_backend("cpu").device_from_local_hardware_id(dl_id)
+    except Exception:  # jaxlib's runtime error, or its TypeError for a non-int id
+        return None
 
 
 def compute_stream(device) -> int:
