@@ -537,7 +537,7 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
             target = (_KDLCPU, dest.local_hardware_id)  # the same pinned memory, read by the host
         elif copy is not None and not copy:
             raise CopyRequiredError(
-                f"Specified dl_device={tuple(dl_device)} which requires a copy since the "
+                f"Specified dl_device={dl_device!r} which requires a copy since the "
                 f"source device is {source!r}, however copy=False. Set copy=True or "
                 "copy=None to perform the requested operation.")
         else:
