@@ -118,6 +118,61 @@ IMPORTS = {f.__name__: f for f in (jax_dlpack_from_dlpack, jnp_from_dlpack,
                                    jnp_asarray, jnp_array, device_put)}
 
 
+# --- the entry points install() replaces ------------------------------------
+# The class-dict entries are read from the class dict: a property must be
+# compared as the property object, not evaluated.
+
+_ARRAY = type(jnp.zeros(1))
+ENTRY_POINTS = ((jnp, "asarray"), (jnp, "array"), (jnp, "from_dlpack"),
+                (jax.dlpack, "from_dlpack"), (jax, "device_put"),
+                (_ARRAY, "__dlpack__"), (_ARRAY, "__dlpack_device__"),
+                (_ARRAY, "__cuda_array_interface__"))
+
+
+def _name(owner, name):
+    return f"{getattr(owner, '__name__', owner)}.{name}"
+
+
+def current_entry_points():
+    """{(owner, name): the object JAX serves there now}."""
+    return {(owner, name): owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            for owner, name in ENTRY_POINTS}
+
+
+def _stock_entry_points():
+    """JAX's own objects.  A test may have called install() before this
+    module is imported: then they are the ones install() saved, not what
+    JAX serves now."""
+    from jax_overlay import _install
+    saved = dict(_install._saved)
+    if not saved:
+        return current_entry_points()
+    missing = [_name(*key) for key in ENTRY_POINTS if key not in saved]
+    if missing:
+        raise AssertionError(f"install() saved no original of {', '.join(missing)}")
+    return {key: saved[key] for key in ENTRY_POINTS}
+
+
+STOCK = _stock_entry_points()
+
+
+def check_stock():
+    """Raises unless every entry point is JAX's own object: a "stock" run
+    that is not stock compares installed with installed and proves nothing."""
+    now = current_entry_points()
+    off = [_name(*key) for key in ENTRY_POINTS if now[key] is not STOCK[key]]
+    if off:
+        raise AssertionError(f"after uninstall(), not JAX's own: {', '.join(off)}")
+
+
+def check_installed():
+    """Raises unless install() replaced every entry point."""
+    now = current_entry_points()
+    off = [_name(*key) for key in ENTRY_POINTS if now[key] is STOCK[key]]
+    if off:
+        raise AssertionError(f"after install(), still JAX's own: {', '.join(off)}")
+
+
 # --- outcomes ---------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -237,7 +292,9 @@ def differential(cases):
     the producer's values (or None): what installed returns must be them,
     and a stock result that is not them (a stale or misread array) is
     unsafe, the one outcome installed may change.  Leaves JAX as it found
-    it."""
+    it.  Raises AssertionError where uninstall() leaves an entry point that
+    is not JAX's own (STOCK) or install() leaves one that is.  counts["stock
+    raised"] is how many cases stock refused."""
     was = jax_overlay.installed()
     diffs = []
     counts = {"stock ok": 0, "stock raised": 0, "installed works where stock raised": 0,
@@ -246,6 +303,7 @@ def differential(cases):
         for label, thunk, truth in cases:
             want = truth() if truth is not None else None
             jax_overlay.uninstall()
+            check_stock()
             stock = run(thunk)
             # Stock is judged before installed runs: a stock result over
             # memory its producer no longer holds fails when read, possibly
@@ -253,6 +311,7 @@ def differential(cases):
             # read's.
             unsafe = None if stock.error is not None else wrong(stock.result, want)
             jax_overlay.install()
+            check_installed()
             ours = run(thunk)
             counts["stock ok" if stock.error is None else "stock raised"] += 1
             if stock.error is not None and ours.error is None:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jax_overlay import _testing as T
 from jax_overlay import _xla_ext as ext
 
 
@@ -128,4 +129,13 @@ def test_not_a_dict():
 
 
 def test_mask_none_is_fine():
-    ext.parse_cai(cai(mask=None))
+    """mask=None means no mask (the CAI spec): the parse and the import go on
+    as if the field were absent."""
+    v = ext.parse_cai(cai(mask=None))
+    assert (v.shape, v.strides, v.typestr, v.itemsize) == ((2, 3), None, "<f4", 4)
+    assert (v.data, v.read_only, v.numel) == (4096, False, 6)
+    a = T.aligned_empty((2, 3), np.float32)
+    a[...] = np.arange(6).reshape(2, 3)
+    x = T.import_host(T.HostCAI(a, mask=None))
+    assert (x.dtype, x.shape) == (np.float32, (2, 3))
+    np.testing.assert_array_equal(np.asarray(x), a)

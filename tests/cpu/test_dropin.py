@@ -532,3 +532,28 @@ def test_malformed_cuda_array_interfaces_fail_as_on_stock():
     diffs, counts = D.differential(D.import_cases(D.IMPORTS, producers, _coords()))
     assert counts["stock raised"] > 800
     assert not diffs, f"{len(diffs)} differences:\n" + "\n".join(diffs[:40])
+
+
+@pytest.mark.parametrize("broken", ["uninstall", "install"])
+def test_differential_refuses_a_stock_run_that_is_not_stock(monkeypatch, broken):
+    """With uninstall() a no-op the "stock" run is installed, and with
+    install() a no-op the installed run is stock: each would compare a route
+    with itself and pass.  differential() must raise instead."""
+    was = jax_overlay.installed()
+    # A case both routes agree on: only the entry-point check can fail it.
+    cases = D.import_cases({"jnp_asarray": D.jnp_asarray},
+                           {"aligned": lambda: D.values((8, 16), np.dtype(np.float32))},
+                           [(None, "None", None)], _truth)
+    monkeypatch.setattr(jax_overlay, broken, lambda: None)
+    if broken == "uninstall":
+        jax_overlay.install()  # the no-op uninstall() leaves it installed
+    try:
+        with pytest.raises(AssertionError, match=f"after {broken}\\(\\)"):
+            D.differential(cases)
+    finally:
+        monkeypatch.undo()
+        (jax_overlay.install if was else jax_overlay.uninstall)()
+    if was:
+        D.check_installed()
+    else:
+        D.check_stock()

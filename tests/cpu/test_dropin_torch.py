@@ -3,7 +3,8 @@ every entry point x PyTorch dtype x layout (including its lazy conjugate and
 negative views, tensors requiring grad, Parameters and sparse tensors) x copy
 x device, stock JAX and installed in one process, each result checked
 against the tensor's own values; and JAX arrays read by PyTorch.  Skipped where PyTorch is not installed:
-CI installs the CPU build in its jax 0.10 environment (.ci/run)."""
+CI installs the CPU build in its jax 0.10 environment (.ci/run), and sets
+JAX_OVERLAY_REQUIRE_TORCH=1 there, which makes a missing PyTorch a failure."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (CI: .ci/run installs "
-                            "the CPU build where its wheel lies on the machine)")
+from torch_or_skip import torch as _torch
+
+torch = _torch()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

@@ -13,8 +13,9 @@ import threading
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (CI: .ci/run installs "
-                            "the CPU build where its wheel lies on the machine)")
+from torch_or_skip import torch as _torch  # noqa: E402
+
+torch = _torch()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402

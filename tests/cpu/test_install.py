@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dropin as D
 import jax_overlay
 from jax_overlay import _imports
+from jax_overlay._errors import JaxRuntimeError
 from jax_overlay import _runtime as rt
 from jax_overlay import _testing as T
 
@@ -137,16 +139,29 @@ def test_64_bit_moved_to_another_platform_keeps_its_values(routed, monkeypatch):
 
 
 def test_uninstall_restores_stock_route(routed):
+    """After uninstall() every entry point is JAX's own object again
+    (tests/dropin.py's STOCK, saved before any install()), and a call gets
+    stock's outcome: a CAI over host memory, which the installed route reads
+    (zero-copy in jnp.asarray), is refused by stock's jax.device_put, which
+    reads no CAI (TypeError), and without a GPU by stock's jnp.asarray, which
+    reads a CAI as CUDA memory (JaxRuntimeError)."""
     a = host()
+    # The installed route first: the stock outcomes below must be a change.
+    x = jnp.asarray(T.HostCAI(a))
+    assert x.unsafe_buffer_pointer() == a.ctypes.data
+    np.testing.assert_array_equal(np.asarray(jax.device_put(T.HostCAI(a))), a)
     jax_overlay.uninstall()
-    try:
-        out = jnp.asarray(T.HostCAI(a))
-    except Exception:  # noqa: BLE001 - stock JAX has no GPU to read it with
-        return
-    # Where stock JAX does read it, it is not through our capsule.
-    assert out is not None
+    D.check_stock()
+    with pytest.raises(TypeError, match="HostCAI"):
+        jax.device_put(T.HostCAI(a))
+    if jax.default_backend() == "cpu":  # with a GPU, stock reads it as a device pointer
+        with pytest.raises(JaxRuntimeError, match="CUDA"):
+            jnp.asarray(T.HostCAI(a))
 
 
 def test_errors_reach_the_caller(routed):
-    with pytest.raises(BufferError, match="mask"):
+    # Stock's class (its CAI import raises jaxlib's runtime error: here for
+    # want of CUDA, on a GPU none, where the overlay's refusal takes it),
+    # with the overlay's reason in the message or a note.
+    with pytest.raises(JaxRuntimeError, match="mask"):
         jnp.asarray(T.HostCAI(host(), mask=T.HostCAI(np.ones(3, bool))))

@@ -73,7 +73,7 @@ def test_test_extra_installs_every_test_dependency():
     extra = _pyproject()["project"]["optional-dependencies"]["test"]
     names = {re.match(r"[\w-]+", d).group().lower().replace("_", "-") for d in extra}
     assert {"pytest", "hypothesis", "ml-dtypes", "pybind11", "setuptools", "absl-py",
-            "mypy", "pyarrow", "array-api-strict"} <= names
+            "mypy", "pyarrow", "array-api-strict", "rich", "matplotlib"} <= names
 
 
 def _installed_distribution():
