@@ -68,19 +68,33 @@ def device_of(x):
 
 
 def jax_device_of(x):
-    """The JAX device stock JAX assigns to a producer's memory (kDLCPU: the
-    CPU device of that id; kDLCUDA and kDLCUDAHost: that GPU), or None for
-    a type it does not map (kDLCUDAHost on jax 0.10: stock refuses it) and
-    for a CPU id this process lacks (stock's lookup error; the import views
-    such memory on the first CPU device)."""
-    dl_type, dl_id = device_of(x)
-    if dl_type not in _STOCK_PLATFORMS:
+    """The JAX device stock JAX assigns to a producer's memory: stock_device
+    of its ``__dlpack_device__()``."""
+    return stock_device(*device_of(x))
+
+
+def stock_device(dl_type, dl_id):
+    """The device stock's from_dlpack looks a producer's memory up on, before
+    it asks the producer for anything: that backend's device of that id
+    (kDLCPU 1 is cpu:1, kDLCUDA and kDLCUDAHost that GPU), with stock's class
+    where there is none (RuntimeError: no such backend; jaxlib's error: no
+    such id).  None for a type stock does not map (kDLCUDAManaged;
+    kDLCUDAHost on jax 0.10): its TypeError is raised last
+    (_refused_by_stock_as), the overlay imports them."""
+    platform = _STOCK_PLATFORMS.get(dl_type)
+    if platform is None:
         return None
-    if dl_type == KDLCPU:
-        return rt.cpu_device(dl_id)
-    if dl_type in (KDLCUDA, KDLCUDAHOST):
+    if dl_type == KDLCUDA or dl_type == KDLCUDAHOST:
         return rt.gpu_device(dl_id)
-    return None
+    device = rt.cpu_device(dl_id) if dl_type == KDLCPU else None
+    if device is None:
+        try:
+            device = rt.backend(platform).device_from_local_hardware_id(dl_id)
+        except Exception as e:  # jaxlib's runtime error, its TypeError, or "Unknown backend"
+            raise like_stock(BufferError(
+                f"the producer's memory is on {platform} device {dl_id!r} (__dlpack_device__), "
+                f"which this process does not have ({e})"), type(e)) from None
+    return device
 
 
 _STOCK_PLATFORMS = rt.stock_dlpack_platforms()
@@ -174,6 +188,9 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
                     "DLPack capsule")
             advertised = device_of(x)
         _check_type(advertised[0])
+        # Stock looks the device up before it asks the producer: its error
+        # for a device this process lacks comes first, not the producer's.
+        stock_device(*advertised)
         # PyTorch exports a lazy negative view's memory unnegated: resolved
         # first, and the capsule then holds the resolved copy.
         x, resolved = _imports.resolve_lazy(x, copy)

@@ -204,9 +204,22 @@ def _move(view, copied, device, copy):
                           None if copy is False and not config.strict_copy else copy)
 
 
+def _placeable(device, kwargs):
+    """Whether jnp.asarray's and jnp.array's `device=` is one the overlay
+    places imports on (None, a device, a sharding; not beside out_sharding=).
+    Stock refuses anything else before it reads its input (ValueError), so
+    such a call is left to stock whole."""
+    if device is None:
+        return True
+    return (isinstance(device, (jax.Device, jax.sharding.Sharding))
+            and kwargs.get("out_sharding") is None)
+
+
 def _asarray(orig):
     @functools.wraps(orig)
     def asarray(a, dtype=None, order=None, *, copy=None, device=None, **kwargs):
+        if not _placeable(device, kwargs):
+            return orig(a, dtype, order, copy=copy, device=device, **kwargs)
         # Stock's CAI import raises jaxlib's runtime error for what it refuses.
         # Only a NumPy subclass asks _reads_cai (_foreign passes NumPy
         # arrays themselves to JAX before it looks at cai_first).
@@ -236,6 +249,9 @@ def _array(orig):
     @functools.wraps(orig)
     def array(object, dtype=None, *, copy=True, order="K", ndmin=0,
               device=None, **kwargs):
+        if not _placeable(device, kwargs):  # as in asarray
+            return orig(object, dtype, copy=copy, order=order, ndmin=ndmin,
+                        device=device, **kwargs)
         hit = _foreign(object, copy, JaxRuntimeError,  # as in asarray
                        type(object) is np.ndarray or not isinstance(object, np.ndarray)
                        or _reads_cai(object, dtype, copy, device, ndmin, kwargs.get("out_sharding")))

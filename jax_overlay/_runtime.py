@@ -120,10 +120,18 @@ def cpu_device(dl_id):
     this process has no such device: stock's lookup fails there, and host
     memory is readable from any CPU device, so the callers view it on the
     first one (host_device) rather than fail."""
-    try:
-        return _xb.get_backend("cpu").device_from_local_hardware_id(dl_id)
-    except Exception:  # jaxlib's runtime error, or its TypeError for a non-int id
-        return None
+    dev = _cpu_devices.get(dl_id) if type(dl_id) is int else None
+    if dev is None:
+        try:
+            dev = _xb.get_backend("cpu").device_from_local_hardware_id(dl_id)
+        except Exception:  # jaxlib's runtime error, or its TypeError for a non-int id
+            return None
+        if type(dl_id) is int:
+            _cpu_devices[dl_id] = dev
+    return dev
+
+
+_cpu_devices: dict[int, object] = {}
 
 
 def compute_stream(device) -> int:

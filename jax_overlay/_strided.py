@@ -79,15 +79,18 @@ def _gather_fn(shape, strides, offset, dtype, unit):
             # Floats move as same-width unsigned ints: XLA may compute a
             # float gather through a wider type (float8 on the CPU), which
             # rewrites NaN payloads; a copy must keep every bit.
+            # The barrier keeps XLA from folding the bit casts around the
+            # gather away: a gather with stride-0 indices became a bfloat16
+            # broadcast, which XLA:CPU flushed subnormals in (1e-40 read 0).
             bits = lax.bitcast_convert_type(flat, np.dtype(f"u{dtype.itemsize}"))
-            return lax.bitcast_convert_type(
-                bits.at[indices()].get(mode="promise_in_bounds"), dtype)
+            moved = lax.optimization_barrier(bits.at[indices()].get(mode="promise_in_bounds"))
+            return lax.bitcast_convert_type(moved, dtype)
         return flat.at[indices()].get(mode="promise_in_bounds")
 
     def by_byte(flat):
         k = dtype.itemsize
         idx = indices()[..., None] + lax.broadcasted_iota(idx_t, shape + (k,), len(shape))
-        raw = flat.at[idx].get(mode="promise_in_bounds")
+        raw = lax.optimization_barrier(flat.at[idx].get(mode="promise_in_bounds"))  # as above
         if dtype.kind == "c":
             part = np.dtype(f"f{k // 2}")
             two = lax.bitcast_convert_type(raw.reshape(shape + (2, k // 2)), part)

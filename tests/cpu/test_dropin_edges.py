@@ -180,7 +180,10 @@ def _edge_cases():
     for stream in (1, 2, 0, -2, True, -1, 2**64, "x"):
         yield f"x.__dlpack__(stream={stream!r})", lambda s=stream: x().__dlpack__(stream=s)
         yield f"from_dlpack(x).__dlpack__(stream={stream!r})", (
-            lambda s=stream: jax.dlpack.from_dlpack(np.arange(8.0)).__dlpack__(stream=s))
+            # Host memory jaxlib views (64-byte aligned): stock's own import
+            # and the overlay's are both views, in both runs.
+            lambda s=stream: jax.dlpack.from_dlpack(dropin.values((8,), np.dtype(np.float32))
+                                                    ).__dlpack__(stream=s))
     yield "x.__dlpack__(max_version='x', dl_device=(2, 0))", (
         lambda: x().__dlpack__(max_version="x", dl_device=(2, 0)))
     yield "x.__dlpack__(stream=1, max_version=(1,))", (
@@ -229,3 +232,56 @@ def test_native_dlpack_is_read_from_the_running_jaxlib():
     with installed():
         ours = jax_overlay._exports.ours(x)
     assert ours is not rt.NATIVE_DLPACK_1
+
+
+# --- found by tests/fuzz_dropin.py ------------------------------------------------
+
+class _Refusing(_Advertises):
+    """A producer whose __dlpack__ refuses, advertising a device."""
+
+    def __dlpack__(self, **kw):
+        raise BufferError("this producer refuses every export")
+
+
+def _subclass(a):
+    return a.view(type("Sub", (np.ndarray,), {}))
+
+
+def _fuzz_found():
+    # Stock looks the producer's device up before asking it for anything.
+    for device in ((1, 1), (2, 0), (10, 0)):
+        yield f"from_dlpack(refusing producer on {device})", (
+            lambda d=device: jax.dlpack.from_dlpack(_Refusing(np.arange(3.0), d)))
+        yield f"from_dlpack(misaligned producer on {device}, copy=False)", (
+            lambda d=device: jax.dlpack.from_dlpack(
+                _Advertises(np.arange(9, dtype=np.int32)[1:], d), copy=False))
+    # A device stock refuses before it reads its input.
+    for device in (0, False, object(), ["cpu"]):
+        for entry in (jnp.asarray, jnp.array):
+            yield f"{entry.__name__}(ndarray subclass, copy=False, device={device!r})", (
+                lambda e=entry, d=device: e(_subclass(np.arange(3.0)), copy=False, device=d))
+            yield f"{entry.__name__}(masked, device={device!r})", (
+                lambda e=entry, d=device: e(np.ma.masked_array(np.arange(3.0)), device=d))
+
+
+def test_fuzz_findings_match_stock():
+    diffs, counts = dropin.differential(list(
+        (label, thunk, None) for label, thunk in _fuzz_found()))
+    assert not diffs, "\n".join(diffs)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32, np.complex64,
+                                   ml_dtypes.float8_e4m3fn])
+@pytest.mark.parametrize("layout", ["broadcast rows", "broadcast columns", "step", "reversed"])
+def test_strided_imports_keep_subnormals(dtype, layout):
+    """A strided import is a copy of bits: XLA:CPU turned the gather of a
+    broadcast bfloat16 into a broadcast that flushed subnormals (1e-40 read
+    0), so the bits move behind an optimization barrier."""
+    dtype = np.dtype(dtype)
+    bits = np.array([1, 0x3C, 3, 0x1F], np.dtype(f"u{dtype.itemsize}"))
+    base = bits.view(dtype)  # the smallest subnormals of each type, and others
+    a = {"broadcast rows": lambda: np.broadcast_to(base, (3, base.size)),
+         "broadcast columns": lambda: np.broadcast_to(base[:, None], (base.size, 3)),
+         "step": lambda: base[::2], "reversed": lambda: base[::-1]}[layout]()
+    out = jax_overlay.from_dlpack(a)
+    assert np.asarray(out).tobytes() == np.ascontiguousarray(a).tobytes()
