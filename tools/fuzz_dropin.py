@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Long runs of the drop-in differential fuzz (tests/fuzz_dropin.py).
+
+    python tools/fuzz_dropin.py --seed 7 --cases 100000 --devices 2 --x64 both --jobs 2
+    python tools/fuzz_dropin.py --seed 7 --case 12345 --devices 2 --x64 1   # replay one
+
+JAX fixes its device count when its backend starts, so this process never
+imports JAX: every case runs in a worker subprocess started with
+JAX_PLATFORMS=cpu and XLA_FLAGS=--xla_force_host_platform_device_count=N.
+A worker that dies (a segfault) is itself a finding, reported with the
+reproducer of the case it was running.  Exits 1 when anything differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _env(devices):
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    path = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+                PYTHONPATH=os.pathsep.join(p for p in path if p),
+                # XLA's C++ warnings (odd CAI versions) would bury the report.
+                TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+
+
+# --- worker (a subprocess: imports JAX) ----------------------------------------
+
+def _worker(args):
+    sys.path.insert(0, str(ROOT / "tests"))  # before tools/: this file has the same name
+    import jax
+    import jaxlib
+    import ml_dtypes
+    import numpy as np
+    import fuzz_dropin as F
+
+    if jax.device_count() != args.devices:
+        sys.exit(f"fuzz_dropin worker: {jax.device_count()} devices, asked for {args.devices}")
+    with open(args.progress, "w") as progress:
+        def mark(i):  # the case a crash interrupted
+            progress.seek(0)
+            progress.write(f"{i:>20}\n")
+            progress.flush()
+        out = F.run_range(args.seed, args.start, args.cases, args.x64, stop_after=args.stop_after,
+                          allow_version_minor=args.allow_version_minor, record=args.verbose,
+                          progress=mark)
+    for i, text in enumerate(out["records"]):  # a replay: the whole description
+        print(f"{F.reproducer(F.case(args.seed, args.start + i), args.x64)}\n{text}", flush=True)
+    out["versions"] = {"python": platform.python_version(), "jax": jax.__version__,
+                       "jaxlib": jaxlib.__version__, "numpy": np.__version__,
+                       "ml_dtypes": ml_dtypes.__version__,
+                       "jaxlib_extension_version": F.jaxlib_extension_version}
+    pathlib.Path(args.worker).write_text(json.dumps(out))
+
+
+# --- parent ----------------------------------------------------------------------
+
+def _spawn(args, tmp, name, x64, start, count, verbose=False):
+    """A worker for cases [start, start + count); `verbose` prints each."""
+    out, progress, log = (pathlib.Path(tmp) / f"{name}.{k}" for k in ("json", "progress", "log"))
+    cmd = [sys.executable, __file__, "--worker", str(out), "--progress", str(progress),
+           "--seed", str(args.seed), "--start", str(start), "--cases", str(count),
+           "--devices", str(args.devices), "--x64", str(x64)]
+    if verbose:
+        cmd.append("--verbose")
+    if args.stop_after:
+        cmd += ["--stop-after", str(args.stop_after)]
+    if args.allow_version_minor:
+        cmd.append("--allow-version-minor")
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, env=_env(args.devices), cwd=ROOT, stderr=err,
+                                stdout=None if verbose else subprocess.DEVNULL)
+    return proc, out, progress, log, (args, tmp, name, x64, start, count, verbose)
+
+
+def _collect(task):
+    """The worker's figures.  A worker that died (a signal: a crash; else
+    the harness's own failure) reports the case it was running as the
+    finding, and the rest of its range (before it and after it) runs again
+    in fresh workers."""
+    proc, out, progress, log, spec = task
+    rc = proc.wait()
+    if out.exists():
+        return json.loads(out.read_text())
+    args, tmp, name, x64, start, count, verbose = spec
+    text = progress.read_text().strip() if progress.exists() else ""
+    at = int(text) if text else start
+    category = "crash" if rc < 0 else "worker error"
+    detail = (f"killed by signal {-rc}" if rc < 0 else
+              (log.read_text().strip().splitlines() or [""])[-1])
+    where = (f"python tools/fuzz_dropin.py --seed {args.seed} --case {at} "
+             f"--devices {args.devices} --x64 {x64}")
+    parts = [{"cases": int(category == "crash"), "seconds": 0.0,
+              "counts": {f"difference: {category}": 1},
+              "differences": [{"reproducer": where, "case": f"worker exit status {rc}",
+                               "stock": "", "installed": "", "category": category,
+                               "detail": detail}]}]
+    if category == "crash":
+        for lo, n in ((start, at - start), (at + 1, start + count - at - 1)):
+            if n > 0:
+                parts.append(_collect(_spawn(args, tmp, f"{name}.{lo}", x64, lo, n, verbose)))
+    return _merge(parts)
+
+
+def _merge(parts):
+    total = {"cases": 0, "counts": collections.Counter(), "differences": [], "stock unsafe": [],
+             "allowed": [], "records": [], "seconds": 0.0}
+    for p in parts:
+        total["cases"] += p["cases"]
+        total["counts"].update(p["counts"])
+        total["seconds"] += p["seconds"]
+        for k in ("differences", "stock unsafe", "allowed", "records"):
+            total[k] += p.get(k, [])
+        total["versions"] = p.get("versions") or total.get("versions")
+    return total
+
+
+def summary(t):
+    c = t["counts"]
+    allowed = sum(v for k, v in c.items() if k.startswith("allowed"))
+    return (f"fuzz_dropin: {t['cases']} cases, {len(t['differences'])} differences (stock raised "
+            f"{c['stock raised']}, installed works where stock raised "
+            f"{c['installed works where stock raised']}, stock unsafe {c['stock unsafe']}, "
+            f"allowed {allowed})")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start", type=int, default=0, help="first case index")
+    ap.add_argument("--cases", type=int, default=1000, help="cases per x64 mode")
+    ap.add_argument("--devices", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--x64", choices=("0", "1", "both"), default="both")
+    ap.add_argument("--case", type=int, help="replay this one case, verbosely")
+    ap.add_argument("--jobs", type=int, default=1, help="parallel worker processes")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--stop-after", type=int, help="stop after this many differences")
+    ap.add_argument("--allow-version-minor", action="store_true",
+                    help="count a DLPack minor version other than stock's, do not fail it")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--progress", help=argparse.SUPPRESS)
+    ap.add_argument("--verbose", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        args.x64 = bool(int(args.x64))
+        return _worker(args)
+
+    t0 = time.perf_counter()
+    modes = (0, 1) if args.x64 == "both" else (int(args.x64),)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.case is not None:
+            work = [(x64, args.case, 1) for x64 in modes]
+        else:
+            per = -(-args.cases // args.jobs)
+            work = [(x64, s, min(per, args.start + args.cases - s)) for x64 in modes
+                    for s in range(args.start, args.start + args.cases, per)]
+        parts, running = [], []
+        for n, (x64, start, count) in enumerate(work):
+            if len(running) == args.jobs:
+                parts.append(_collect(running.pop(0)))
+            running.append(_spawn(args, tmp, n, x64, start, count, args.case is not None))
+            if args.case is not None:  # replays print in order
+                parts.append(_collect(running.pop()))
+        parts += [_collect(t) for t in running]
+    total = _merge(parts)
+    if args.stop_after:
+        total["differences"] = total["differences"][:args.stop_after]
+    total.update(seed=args.seed, start=args.start, devices=args.devices, x64=args.x64,
+                 wall_seconds=round(time.perf_counter() - t0, 2),
+                 seconds_per_case=round(total["seconds"] / max(total["cases"], 1), 5))
+    if args.case is None:
+        for d in total["differences"][:50]:
+            print(f"{d['reproducer']}\n  {d['case']}\n  stock:     {d['stock']}\n"
+                  f"  installed: {d['installed']}\n  [{d['category']}] {d['detail']}")
+        if len(total["differences"]) > 50:
+            print(f"... and {len(total['differences']) - 50} more (--json has them all)")
+    cats = collections.Counter(d["category"] for d in total["differences"])
+    if cats:
+        print("differences by category: " + ", ".join(f"{k} {v}" for k, v in cats.most_common()))
+    print(summary(total) + f" in {total['wall_seconds']} s "
+          f"({1000 * total['seconds_per_case']:.2f} ms per case in a worker)")
+    if args.json:
+        total.pop("records")
+        pathlib.Path(args.json).write_text(json.dumps(total, indent=1, default=str))
+    return 1 if total["differences"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
