@@ -392,11 +392,12 @@ def dlpack_device(x):
 
 def _capsule_device(x, device):
     """(device type, id) that the capsule of `x`, on `device`, carries:
-    jaxlib's, the device's own id (cpu:1 is (kDLCPU, 1))."""
-    if device.platform == "cpu":
+    dlpack_device's, with a CPU device's own id, as jaxlib's capsule says
+    (cpu:1 is (kDLCPU, 1))."""
+    dl_type, dl_id = dlpack_device(x)
+    if int(dl_type) == _KDLCPU:
         return _KDLCPU, device.local_hardware_id
-    return (_KDLCUDAHOST if x.sharding.memory_kind == "pinned_host" else _KDLCUDA,
-            device.local_hardware_id)
+    return int(dl_type), int(dl_id)
 
 
 def _dl_destination(dl_device):
@@ -514,15 +515,14 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
         # array's; a deleted or donated buffer is gone.
         if entry is not None and entry[0]() is x and not x.is_deleted():
             ptr, shape, strides, dl_dtype, dl_type, dl_id = entry[1]
-            if dl_type != _KDLCPU or stream is None or stream == -1:
-                versioned = _versioned(max_version)
-                if rt.NATIVE_DLPACK_1 and max_version is not None:
-                    _jaxlib_arguments(stream, max_version)
-                # Lifetime as below: the array holds its buffer, jaxlib's
-                # external reference blocks donation while a consumer holds it.
-                return ext.raw_capsule((x, rt.external_reference(x)), ptr, shape, strides,
-                                       dl_dtype, dl_type, dl_id, versioned,
-                                       ext.FLAG_READ_ONLY if versioned else 0)
+            versioned = _versioned(max_version)
+            if rt.NATIVE_DLPACK_1 and max_version is not None:
+                _jaxlib_arguments(stream, max_version)
+            # Lifetime as below: the array holds its buffer, jaxlib's
+            # external reference blocks donation while a consumer holds it.
+            return ext.raw_capsule((x, rt.external_reference(x)), ptr, shape, strides,
+                                   dl_dtype, dl_type, dl_id, versioned,
+                                   ext.FLAG_READ_ONLY if versioned else 0)
     if type(x) is not rt.ArrayImpl or x.is_deleted():
         _dl_check(x)  # the precise error
     source = _device_of(x)  # BufferError for a sharded array, stock's first check
@@ -532,10 +532,10 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
     versioned = _versioned(max_version)
     target = _capsule_device(x, source)
     copied = False
-    if dest is not None and dest != source:
-        if target[0] == _KDLCUDAHOST and dest.platform == "cpu":
-            target = (_KDLCPU, dest.local_hardware_id)  # the same pinned memory, read by the host
-        elif copy is not None and not copy:
+    if dest is not None and target[0] == _KDLCUDAHOST and dest.platform == "cpu":
+        target = (_KDLCPU, dest.local_hardware_id)  # the same pinned memory, read by the host
+    elif dest is not None and dest != source:
+        if copy is not None and not copy:
             raise CopyRequiredError(
                 f"Specified dl_device={dl_device!r} which requires a copy since the "
                 f"source device is {source!r}, however copy=False. Set copy=True or "
@@ -551,13 +551,10 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
     dl_dtype = _dl_dtype(x.dtype)  # jaxlib's refusal: its runtime error
     ready = x.is_ready()  # type: ignore[attr-defined]  # an ArrayImpl: checked above
     if target[0] == _KDLCPU:
-        if stream is not None and stream != -1:
-            # Stock jaxlib: UNIMPLEMENTED ("only implemented for GPU"), a
-            # JaxRuntimeError, for any stream to host memory (-1 too, which
-            # asks for nothing a host reader needs: accepted here).
-            raise like_stock(BufferError(
-                f"stream={stream!r} for host memory: CPU consumers pass None"),
-                JaxRuntimeError)
+        # Any stream is served: a host reader has none to wait on, so the
+        # host waits for the array instead.  (Stock jaxlib serves one for a
+        # view of host memory and refuses it, UNIMPLEMENTED, for a buffer
+        # of its own: the overlay serves both.)
         if not ready:
             x.block_until_ready()  # a host reader has no stream to wait on
             ready = True

@@ -283,5 +283,9 @@ def test_strided_imports_keep_subnormals(dtype, layout):
     a = {"broadcast rows": lambda: np.broadcast_to(base, (3, base.size)),
          "broadcast columns": lambda: np.broadcast_to(base[:, None], (base.size, 3)),
          "step": lambda: base[::2], "reversed": lambda: base[::-1]}[layout]()
+    try:
+        a.__dlpack__(max_version=(1, 0))  # what from_dlpack asks for (broadcasts are read-only)
+    except BufferError as e:  # NumPy < 2.5 exports no ml_dtypes capsule
+        pytest.skip(f"NumPy {np.__version__} exports no {dtype} capsule ({e})")
     out = jax_overlay.from_dlpack(a)
     assert np.asarray(out).tobytes() == np.ascontiguousarray(a).tobytes()
