@@ -423,17 +423,25 @@ JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(), st.t
 def export_verdict(dtype, stream, max_version, dl_device, copy):
     """Which export requests must fail, and why (by the words the error names)."""
     bad = set()
-    if not (stream is None or (F.is_int(stream) and (stream == -1 or stream > 0))):
+    # A stream jaxlib can take (an int64; bools are ints to it): a CPU array
+    # serves any, the host waits for the array instead.
+    if stream is not None and not (isinstance(stream, int) and F.fits_int64(int(stream))):
         bad.add("stream")
-    elif stream not in (None, -1):
-        bad.add("stream")  # a CPU array: host consumers pass None or -1
-    # Read as stock JAX reads them (the drop-in rule): max_version is
-    # compared as a tuple, dl_device unpacked when truthy (a device type 0
-    # names none), copy= taken by its truth.
-    if max_version is not None and int_pair(max_version) is None and not (
-            type(max_version) is tuple and max_version
-            and all(isinstance(v, (int, float)) for v in max_version)):
-        bad.add("max_version")
+    # Read as stock JAX reads them (the drop-in rule): max_version compared
+    # with stock's versions as a tuple (below (0, 5) refused), and where
+    # jaxlib takes it itself (0.12) two ints; dl_device unpacked when truthy
+    # (a device type 0 names none), copy= taken by its truth.
+    if max_version is not None:
+        stock = rt.stock_dlpack()
+        try:
+            known = (max_version >= tuple(stock.DLPACK_VERSION)
+                     or max_version >= tuple(stock.MIN_DLPACK_VERSION))
+        except (TypeError, ValueError):
+            known = False
+        two_ints = (isinstance(max_version, (tuple, list)) and len(max_version) == 2
+                    and all(isinstance(v, int) for v in max_version))
+        if not known or (rt.NATIVE_DLPACK_1 and not two_ints):
+            bad.add("max_version")
     device = advertised_pair(dl_device) if dl_device else None
     if dl_device and (device is None or device[0] not in (0, 1)):
         bad.add("dl_device")  # malformed, or a copy to a device a CPU run lacks
