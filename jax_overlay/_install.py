@@ -282,9 +282,19 @@ def _leaf(x):
     return _imports.finish(view, copied)
 
 
+def _own_copy(leaf):
+    return np.array(leaf, copy=True) if isinstance(leaf, np.ndarray) else leaf
+
+
 def _device_put(orig):
     @functools.wraps(orig)
     def device_put(x, *args, **kwargs):
+        if kwargs.get("may_alias") is False:
+            # Stock JAX aliases 64-byte aligned NumPy memory on the CPU even
+            # with may_alias=False, so later writes to the NumPy array show
+            # through the "immutable" JAX array: such leaves go to JAX as
+            # copies nobody else holds.
+            x = jax.tree_util.tree_map(_own_copy, x)
         t = type(x)
         if t in _JAX_NATIVE and t is not list and t is not tuple:
             return orig(x, *args, **kwargs)

@@ -289,3 +289,18 @@ def test_strided_imports_keep_subnormals(dtype, layout):
         pytest.skip(f"NumPy {np.__version__} exports no {dtype} capsule ({e})")
     out = jax_overlay.from_dlpack(a)
     assert np.asarray(out).tobytes() == np.ascontiguousarray(a).tobytes()
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_device_put_may_alias_false_does_not_alias_numpy(tree):
+    """Stock JAX aliases 64-byte aligned NumPy memory on the CPU with
+    may_alias=False: a later write to the NumPy array changed the JAX
+    array.  Installed, the JAX array keeps the values it was made with."""
+    a = dropin.values((16,), np.dtype(np.float32))  # 64-byte aligned: what jaxlib aliases
+    want = a.copy()
+    with installed():
+        out = jax.device_put({"a": a} if tree else a, jax.devices()[0], may_alias=False)
+    x = out["a"] if tree else out
+    assert x.unsafe_buffer_pointer() != a.ctypes.data
+    a[:] = -1
+    np.testing.assert_array_equal(np.asarray(x), want)

@@ -112,10 +112,18 @@ def _results(entry, n, wrap):
     def broken():
         real()
         setattr(jnp, name, wrap(getattr(jnp, name)))
-    cases = [c for c in (F.case(SEED, i) for i in range(2000)) if c.entry == entry][:n]
+    cases = [c for c in (F.case(SEED, i) for i in range(2000)) if c.entry == entry]
+    results = []
     try:
         jax_overlay.install = broken
-        return [F.run_case(c, False) for c in cases]
+        for c in cases:
+            try:
+                results.append(F.run_case(c, False))
+            except F.Unavailable:  # a producer this NumPy cannot make
+                continue
+            if len(results) == n:
+                break
+        return results
     finally:
         jax_overlay.install = real
         jax_overlay.uninstall()
@@ -185,7 +193,10 @@ def test_replay_reads_as_in_the_batch():
     """A case replayed alone, here or in a fresh process through the CLI,
     reads exactly as it did inside its batch."""
     batch = F.run_range(SEED, 0, 80, False, record=True)["records"]
+    assert len(batch) == 80
     for i in (79, 17, 3, 41):
+        if batch[i].startswith("not run"):  # a producer this NumPy cannot make
+            continue
         r = F.run_case(F.case(SEED, i), False)
         jax_overlay.uninstall()
         assert r.describe() == batch[i]
