@@ -51,8 +51,8 @@ def resolve_lazy(obj, copy):
     if torch_type is None:
         torch_type = _TORCH_TYPES[t] = any(
             c.__name__ == "Tensor" and c.__module__ == "torch" for c in t.__mro__)
-    if not torch_type or not (obj.is_conj() or obj.is_neg()):
-        return obj, False
+    if not torch_type or not (obj.is_conj() or obj.is_neg()) or obj.numel() == 0:
+        return obj, False  # a zero-size view has no values for the bit to change
     bit, test = ("conjugate", "is_conj") if obj.is_conj() else ("negative", "is_neg")
     if copy is False:
         raise LayoutCopyRequiredError(

@@ -174,3 +174,19 @@ def _export_cases(dtype):
 def test_torch_reads_exports_as_on_stock(dtype):
     with rt.x64(True):
         _check(*D.differential(_export_cases(dtype)))
+
+
+def test_zero_size_lazy_views_match_stock():
+    """A zero-size conjugate or negative view has no values for the bit to
+    change: it imports as stock imports it, copy=False included (found by
+    the GPU fuzz's PyTorch family, run on CPU tensors)."""
+    views = {"_neg_view": lambda: torch._neg_view(torch.ones(0)),
+             "_neg_view 2-d": lambda: torch._neg_view(torch.ones(3, 0)),
+             "conj": lambda: torch.ones(0, dtype=torch.complex64).conj()}
+    cases = [(f"{entry}({name}, copy={copy})",
+              lambda e=fn, v=view, c=copy: e(v(), c, None), None)
+             for name, view in views.items() for copy in (None, False, True)
+             for entry, fn in D.IMPORTS.items()]
+    diffs, counts = D.differential(cases)
+    assert not diffs, "\n".join(diffs)
+    assert counts["stock ok"] > 0
