@@ -32,17 +32,24 @@ Whitelists (counted apart, never silent), in `judge`:
       difference of its own category, failing unless allow_version_minor;
   (c) "stock unsafe": stock's result aliases on a copy, or is not the
       producer's values.
+
+GPU producers (CuPy, PyTorch, Numba) are families registered in FAMILIES by
+tests/gpu/fuzz_gpu.py, drawn only when asked for by name (`case(seed, index,
+family)`, `run_range(..., family=)`), from a stream of their own: without
+them, the registry is empty and every CPU case is what it was.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
 import re
 import time
 import warnings
+import zlib
 
 import jax
 import jax.dlpack
@@ -266,6 +273,11 @@ class Produced:
     truth: object = None   # its values as NumPy, where known
     ranges: list = dataclasses.field(default_factory=list)  # its memory
     keep: object = None    # what must outlive the call
+    # GPU families (tests/gpu/fuzz_gpu.py): a context the call runs in (the
+    # producer's current stream and device), and `release(produced)`, which
+    # drops the producer and reuses its memory before the result is read.
+    around: object = None
+    release: object = None
 
 
 OWN = "own"  # a Proto's __dlpack_device__ is its inner array's
@@ -409,7 +421,8 @@ def _host_produced(a, obj=None):
 class Case:
     seed: int
     index: int
-    family: str           # numpy, jax, weak, protocol, cai, capsule, jax_array, junk
+    family: str           # numpy, jax, weak, protocol, cai, capsule, jax_array, junk,
+                          # or a registered one (FAMILIES)
     params: tuple         # ((name, value label), ...), all hashable and printable
     entry: str
     kwargs: tuple         # ((keyword, value label), ...)
@@ -421,6 +434,8 @@ class Case:
 
     def produce(self):
         """A fresh producer (one per run)."""
+        if self.family in FAMILIES:
+            return FAMILIES[self.family].produce(self)
         p = dict(self.params)
         dtype = DTYPE_NAMES.get(p.get("dtype"))
         vseed = (self.seed, self.index, 1)
@@ -481,7 +496,8 @@ class Case:
 
     def keywords(self):
         """The keyword values, made afresh (devices, shardings, object())."""
-        return {k: KEYWORDS[self.entry][k].make(v) for k, v in self.kwargs}
+        pools = FAMILIES[self.family].keywords if self.family in FAMILIES else KEYWORDS
+        return {k: pools[self.entry][k].make(v) for k, v in self.kwargs}
 
     def asks_copy(self):
         kw = self.keywords()
@@ -515,8 +531,18 @@ def _pick(rng, seq):
     return seq[rng.integers(len(seq))]
 
 
-def case(seed: int, index: int) -> Case:
-    """The case `index` of `seed`: a function of the two alone."""
+# name -> a registered producer family (tests/gpu/fuzz_gpu.py): draw(rng) ->
+# params, produce(case) -> Produced, unavailable() -> None or why not,
+# entries, keywords ({entry: {keyword: Pool}}) and counts (a Counter).  Empty
+# unless that module is imported: the CPU fuzz never draws from it.
+FAMILIES: dict = {}
+
+
+def case(seed: int, index: int, family: str | None = None) -> Case:
+    """The case `index` of `seed`: a function of the two alone (and of
+    `family`, a registered family's name, for its cases)."""
+    if family is not None:
+        return _family_case(seed, index, family)
     rng = np.random.default_rng((seed, index))
     family = _pick(rng, ("numpy",) * 6 + ("jax",) * 6 + ("weak",) + ("protocol",) * 3
                    + ("cai",) * 2 + ("capsule", "jax_array") + ("junk",) * 2)
@@ -551,6 +577,19 @@ def case(seed: int, index: int) -> Case:
     entries = IMPORTS + EXPORTS if family in ("jax", "weak") else IMPORTS
     entry = _pick(rng, entries)
     kwargs = tuple((k, pool.draw(rng)) for k, pool in KEYWORDS[entry].items()
+                   if rng.random() < 0.5)
+    return Case(seed, index, family, params, entry, kwargs)
+
+
+def _family_case(seed, index, family):
+    """A registered family's case, from a stream of its own ((seed, index)
+    and the family's name): the CPU cases are untouched, and one family's
+    cases do not depend on which others run."""
+    fam = FAMILIES[family]
+    rng = np.random.default_rng((seed, index, zlib.crc32(family.encode())))
+    params = fam.draw(rng)
+    entry = _pick(rng, fam.entries)
+    kwargs = tuple((k, pool.draw(rng)) for k, pool in fam.keywords[entry].items()
                    if rng.random() < 0.5)
     return Case(seed, index, family, params, entry, kwargs)
 
@@ -690,24 +729,47 @@ def _digest(h):
     return hashlib.sha1(_canonical_bytes(h)).hexdigest()[:12]
 
 
-def _truth_fields(h, truth):
+# 64-bit data narrowed (32-bit mode, or dtype=): judged for the GPU families,
+# whose lazy views (PyTorch's negative and conjugate bits) stock misreads in
+# any dtype.
+NARROWING = {("float64", "float32"), ("complex128", "complex64"), ("int64", "int32"),
+             ("uint64", "uint32")}
+
+
+def _flushed(a):
+    """`a` with its subnormal and zero floats as +0.0: the part of narrowing
+    XLA does its own way (it may flush where NumPy does not)."""
+    if a.dtype.kind not in "fc":
+        return a
+    out = np.array(a)
+    for part in ((out.real, out.imag) if a.dtype.kind == "c" else (out,)):
+        part[np.abs(part) < np.finfo(part.dtype).tiny] = 0.0
+    return out
+
+
+def _truth_fields(h, truth, narrowed=False):
     """Whether host values `h` of a result are the producer's, judged where
     the call keeps their dtype: a conversion is not NumPy's everywhere (XLA
-    flushes subnormals when it narrows 64-bit data in 32-bit mode)."""
+    flushes subnormals when it narrows 64-bit data in 32-bit mode).  With
+    `narrowed`, also where it narrows 64-bit data, subnormals aside."""
     if truth is None:
         return {}
     t = np.asarray(truth)
-    if h.dtype != t.dtype.newbyteorder("=") or h.size != t.size:
+    same = h.dtype == t.dtype.newbyteorder("=")
+    if not (same or narrowed and (t.dtype.name, h.dtype.name) in NARROWING) or h.size != t.size:
         return {}
     strip = lambda s: tuple(s[next((i for i, d in enumerate(s) if d != 1), len(s)):])  # noqa: E731
     if strip(h.shape) != strip(t.shape):  # ndmin= adds leading ones
         return {}
-    return {"truth": _canonical_bytes(t.astype(h.dtype).reshape(h.shape)) == _canonical_bytes(h)}
+    want = t.astype(h.dtype).reshape(h.shape)
+    if not same:
+        want, h = _flushed(want), _flushed(h)
+    return {"truth": _canonical_bytes(want) == _canonical_bytes(h)}
 
 
-def _host_fields(h, truth):
+def _host_fields(h, truth, narrowed=False):
     return {"dtype": str(h.dtype), "shape": h.shape, "values": _digest(h),
-            **_truth_fields(h, truth)}
+            **_truth_fields(h, truth, narrowed)}
 
 
 def _try(fields, key, get):
@@ -721,6 +783,7 @@ def _try(fields, key, get):
 def summarize(r, case, produced, top=True):
     """A result as a flat dict of comparable fields."""
     copy = top and case.asks_copy()
+    narrowed = case.family in FAMILIES
     if isinstance(r, jax.Array):
         f = {"type": type(r).__qualname__, "dtype": str(r.dtype), "shape": r.shape,
              "weak_type": r.weak_type, "committed": r.committed}
@@ -729,15 +792,19 @@ def summarize(r, case, produced, top=True):
         _try(f, "sharding", lambda: (type(r.sharding).__name__, r.sharding.is_fully_replicated,
                                      r.sharding.shard_shape(r.shape)))
         try:
-            f.update(_host_fields(np.asarray(r), produced.truth if top else None))
+            f.update(_host_fields(np.asarray(r), produced.truth if top else None, narrowed))
         except Exception as e:  # a deleted array's
             f["values"] = f"raised {type(e).__name__}"
+            if top and produced.truth is not None and not r.is_deleted():
+                # Live but unreadable: not the producer's values (a GPU view
+                # over memory its producer gave back, or one XLA refuses).
+                f["truth"] = False
         if copy and r.size:
             f["alias"] = _overlaps(_jax_ranges(r), produced.ranges)
         return f
     if isinstance(r, np.ndarray):
         f = {"type": type(r).__qualname__, "writeable": r.flags.writeable,
-             **_host_fields(r, produced.truth if top else None)}
+             **_host_fields(r, produced.truth if top else None, narrowed)}
         if copy and r.size:
             f["alias"] = _overlaps([byte_bounds(r)], produced.ranges)
         return f
@@ -783,7 +850,13 @@ class HarnessError(RuntimeError):
 
 class Unavailable(Exception):
     """This environment cannot make the case's producer (NumPy < 2.5 exports
-    no ml_dtypes capsule): the case is counted as not run, never judged."""
+    no ml_dtypes capsule; a GPU library without the dtype, or one GPU where
+    the case needs two): the case is counted as not run, by `reason`, never
+    judged."""
+
+    def __init__(self, message, reason="producer unavailable here"):
+        super().__init__(message)
+        self.reason = reason
 
 
 def run_side(c):
@@ -796,10 +869,13 @@ def run_side(c):
     except Exception as e:
         raise HarnessError(f"{c.describe()}: producer failed: {type(e).__name__}: {e}") from e
     try:
-        r = c.call(produced.obj)
+        with produced.around or contextlib.nullcontext():
+            r = c.call(produced.obj)
     except Exception as e:  # every class is compared, none is expected
         msg = str(e).splitlines()[0] if str(e) else ""
         return Outcome(type(e), _scrub(msg)[:160])
+    if produced.release is not None:  # the producer is gone before its result is read
+        produced.release(produced)
     try:
         return Outcome(fields=summarize(r, c, produced))
     except Exception as e:  # what the product can make fail is caught per field
@@ -896,6 +972,9 @@ def judge(c, s, o, allow_version_minor=False):
 # --- running -----------------------------------------------------------------
 
 def reproducer(c, x64):
+    if c.family in FAMILIES:  # a GPU family's: the devices are the machine's
+        return (f"python tools/fuzz_dropin.py --gpu {c.family} --seed {c.seed} "
+                f"--case {c.index} --x64 {int(x64)}")
     return (f"python tools/fuzz_dropin.py --seed {c.seed} --case {c.index} "
             f"--devices {jax.device_count()} --x64 {int(x64)}")
 
@@ -920,39 +999,58 @@ def set_x64(x64):
         jax.config.update("jax_enable_x64", bool(x64))
 
 
-def run_case(c, x64, allow_version_minor=False):
-    """Stock, then installed; leaves JAX installed (run_range restores)."""
+def run_case(c, x64, allow_version_minor=False, mark=None):
+    """Stock, then installed; leaves JAX installed (run_range restores).
+    `mark(side)` is told which side is about to run: a crash is charged to
+    the side it happened in (tools/fuzz_dropin.py)."""
     set_x64(x64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         jax_overlay.uninstall()
         assert_stock()
+        if mark:
+            mark("stock")
         stock = run_side(c)
         jax_overlay.install()
         assert_installed()
+        if mark:
+            mark("installed")
         ours = run_side(c)
     return Result(c, bool(x64), stock, ours, judge(c, stock, ours, allow_version_minor))
 
 
 def run_range(seed, start, count, x64, *, stop_after=None, allow_version_minor=False,
-              record=False, progress=None, keep=100):
-    """Runs cases [start, start + count) of `seed`.  Returns plain figures:
-    counts per category, the differences (each with its reproducer), up to
-    `keep` stock-unsafe and allowed cases, and with `record` every case's
-    description.  Leaves JAX stock."""
+              record=False, progress=None, keep=100, family=None, until=None):
+    """Runs cases [start, start + count) of `seed` (of a registered
+    `family`'s stream, if given; none if its library is unavailable, counted
+    with why), stopping early once time.time() passes `until`.  Returns
+    plain figures: counts per category, the differences (each with its
+    reproducer), up to `keep` stock-unsafe and allowed cases, and with
+    `record` every case's description.  Leaves JAX stock."""
     out = {"cases": 0, "counts": collections.Counter(), "differences": [],
            "stock unsafe": [], "allowed": [], "records": [], "seconds": 0.0}
     t0 = time.perf_counter()
+    if family is not None:
+        why = FAMILIES[family].unavailable()
+        if why:
+            out["counts"][f"skipped: {family}: {why}"] += count
+            return out
+        FAMILIES[family].counts.clear()
     try:
         for i in range(start, start + count):
+            if until is not None and time.time() >= until:
+                break
             if progress:
-                progress(i)
-            c = case(seed, i)
+                progress(i, "")
+            c = case(seed, i, family)
             out["cases"] += 1
             try:
-                r = run_case(c, x64, allow_version_minor)
-            except Unavailable:
-                out["counts"]["not run: producer unavailable here"] += 1
+                r = run_case(c, x64, allow_version_minor,
+                             mark=progress and (lambda side, i=i: progress(i, side)))
+            except Unavailable as e:
+                out["counts"]["not run: " + e.reason] += 1
+                if record:  # records stay one per case index
+                    out["records"].append(f"not run: {e}")
                 continue
             except HarnessError as e:  # the harness's own bug: reported, the run goes on
                 out["counts"]["difference: harness error"] += 1
@@ -979,4 +1077,6 @@ def run_range(seed, start, count, x64, *, stop_after=None, allow_version_minor=F
     finally:
         jax_overlay.uninstall()
         out["seconds"] = time.perf_counter() - t0
+        if family is not None:  # what the family saw (producers still in flight at the call)
+            out["counts"].update(FAMILIES[family].counts)
     return out

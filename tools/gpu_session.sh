@@ -18,6 +18,14 @@
 #   bash tools/gpu_session.sh 3   the foreign probes (the large op also
 #                                 pipelined) and benchmark, XLA's pool
 #                                 preallocated and not
+#   bash tools/gpu_session.sh 4   the drop-in fuzz over GPU producers: its
+#                                 pytest slice (2,000 cases x CuPy, PyTorch,
+#                                 Numba x x64 off/on), then the long run
+#                                 (tools/fuzz_dropin.py --gpu) in what is
+#                                 left of the call, JSON in $OUT
+#   bash tools/gpu_session.sh 4 K the long run only, from case 10^6 K, for
+#                                 about 8 minutes (K = 1, 2, ... until the
+#                                 JSONs add up to 10^5 cases or more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,9 +39,10 @@ tarball() { tar -czf "${OUT:-.}/all.tgz.tmp" -C "$O" . && mv "${OUT:-.}/all.tgz.
 trap tarball EXIT
 case "${1:-}" in
 1)
+  # The GPU fuzz slice runs in step 4: this call's 270 s are nearly spent without it.
   DOCTOR=1 TEST_TIMEOUT=${TEST_TIMEOUT:-270} DOCTOR_TIMEOUT=100 NUMBA_NUMPY_WHEEL=$W OUT=$O \
-    bash tools/gpu_suite.sh tests/gpu tests/cpu/test_dropin_torch.py tests/cpu/test_foreign_torch.py \
-    >"$O/suite.txt" 2>&1
+    bash tools/gpu_suite.sh tests/gpu --ignore=tests/gpu/test_fuzz_dropin_gpu.py \
+    tests/cpu/test_dropin_torch.py tests/cpu/test_foreign_torch.py >"$O/suite.txt" 2>&1
   echo "suite exit status $?" | tee -a "$O/suite.txt"; tarball
   grep -E "passed|failed" "$O/suite.txt" | tail -4
   grep -E "^(FAILED|ERROR)" "$O/suite.txt" | head -30
@@ -44,7 +53,7 @@ case "${1:-}" in
     >"$O/release.txt" 2>&1
   echo "release probe exit status $?"; cat "$O/release.txt"
   ;;
-2|3)
+2|3|4)
   "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
   export PYTHONPATH=$PWD
   ;;&
@@ -76,5 +85,29 @@ case "${1:-}" in
   done
   cat "$O"/foreign-probe-*.txt "$O"/foreign-ab-pre*.txt 2>/dev/null
   ;;
-*) echo "usage: $0 1|2|3" >&2; exit 2 ;;
+4)
+  # Cost, estimated (no GPU has run it yet; on the CPU, PyTorch's family
+  # takes 1.5-3 ms a case): on the H200 about 4-10 ms a case in one process
+  # (four device synchronizations, uploads, a 1 ms delay kernel waited for in
+  # flight), plus XLA's first compiles: the slice's 12,000 cases 2-4 minutes.
+  # The long run's six workers (one per family and mode, sharing the GPU)
+  # perhaps 300-1,000 cases a second, so 10^5 cases in 2-6 minutes: this
+  # call, and `4 1` if its JSON counts fewer.  --budget stops starting cases
+  # in time; the JSON says how many ran ("cases", "ranges").
+  K=${2:-0}
+  if [ "$K" = 0 ]; then
+    timeout 300 "$PY" -m pytest -q -rs -p no:cacheprovider --durations=8 \
+      tests/gpu/test_fuzz_dropin_gpu.py >"$O/fuzz-gpu-slice.txt" 2>&1
+    echo "gpu fuzz slice exit status $?" | tee -a "$O/fuzz-gpu-slice.txt"
+    tail -25 "$O/fuzz-gpu-slice.txt"; tarball
+  fi
+  BUDGET=$(( 530 - SECONDS ))
+  if [ "$BUDGET" -lt 60 ]; then echo "no time left for the long run"; exit 0; fi
+  timeout $(( BUDGET + 45 )) "$PY" tools/fuzz_dropin.py --gpu --seed 20261207 \
+    --start $(( K * 1000000 )) --cases 40000 --x64 both --jobs 6 --budget "$BUDGET" \
+    --json "${OUT:-.}/fuzz-gpu-$K.json" >"$O/fuzz-gpu-$K.txt" 2>&1
+  echo "gpu fuzz $K exit status $?" | tee -a "$O/fuzz-gpu-$K.txt"
+  tail -30 "$O/fuzz-gpu-$K.txt"; cp "${OUT:-.}/fuzz-gpu-$K.json" "$O/" 2>/dev/null
+  ;;
+*) echo "usage: $0 1|2|3|4 [K]" >&2; exit 2 ;;
 esac
