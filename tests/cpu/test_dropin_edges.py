@@ -16,6 +16,7 @@ import pytest
 import dropin
 import jax_overlay
 from jax_overlay import _runtime as rt
+from jax_overlay import _testing as T
 from jax_overlay import _xla_ext as ext
 from multidevice import HostDLPack, aligned, check, installed, on, params
 
@@ -86,7 +87,7 @@ def case_edges_on_two_devices_match_stock(n):
 
     cases = [
         ("x.__dlpack__(dl_device=(1, 1), copy=False)",
-         lambda: np.from_dlpack(_Cap(_on(1).__dlpack__(dl_device=(1, 1), copy=False)))),
+         lambda: np.from_dlpack(T.DLPackHolder(_on(1).__dlpack__(dl_device=(1, 1), copy=False)))),
         ("x.__dlpack__(dl_device=(1, 0), copy=False)",
          lambda: _on(1).__dlpack__(dl_device=(1, 0), copy=False)),
         ("from_dlpack((1, 1) producer)",
@@ -117,19 +118,6 @@ def test_hasattr_cai_of_a_dead_array_is_false(how):
 
 
 # --- exception classes and outcomes, one device ---------------------------------
-
-class _Cap:
-    """A producer handing out one capsule (np.from_dlpack takes producers)."""
-
-    def __init__(self, cap):
-        self.cap = cap
-
-    def __dlpack__(self, **kw):
-        return self.cap
-
-    def __dlpack_device__(self):
-        return (KDLCPU, 0)
-
 
 class _HostCAI:
     """A CAI over host memory: stock reads it as a device pointer."""
