@@ -14,7 +14,7 @@ from . import _exports
 from . import _imports
 from . import _runtime as rt
 from . import _xla_ext as ext
-from ._errors import JaxRuntimeError, like_stock
+from .errors import JaxRuntimeError, like_stock
 
 KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED = 1, 2, 3, 13
 _NAMES = {KDLCPU: "kDLCPU", KDLCUDA: "kDLCUDA", KDLCUDAHOST: "kDLCUDAHost",

@@ -16,7 +16,7 @@ import numpy as np
 from . import _runtime as rt
 from . import _xla_ext as ext
 from ._config import config
-from ._errors import CopyRequiredError, JaxRuntimeError, like_stock
+from .errors import CopyRequiredError, JaxRuntimeError, like_stock
 
 if TYPE_CHECKING:
     from typing_extensions import CapsuleType

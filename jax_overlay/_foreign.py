@@ -29,14 +29,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from .errors import ForeignError
+
 FRAMEWORKS = ("numpy", "torch", "cupy", "numba")
 _KDL_CPU = 1
-
-
-class ForeignError(RuntimeError):
-    """What ``fn`` did wrong inside a foreign call: an exception it raised
-    (chained), an output that contradicts ``result_shape_dtypes``, or a view
-    it kept.  XLA reports it as its runtime error, naming this class."""
 
 
 _local = threading.local()

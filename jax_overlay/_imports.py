@@ -15,7 +15,7 @@ from . import _runtime as rt
 from . import _strided
 from . import _xla_ext as ext
 from ._config import config
-from ._errors import CopyRequiredError, JaxRuntimeError, LayoutCopyRequiredError, like_stock
+from .errors import CopyRequiredError, JaxRuntimeError, LayoutCopyRequiredError, like_stock
 
 _KDLCPU, _KDLCUDA, _KDLCUDAHOST = 1, 2, 3
 

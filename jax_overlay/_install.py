@@ -32,7 +32,7 @@ from . import _imports
 from . import _runtime as rt
 from . import _xla_ext as ext
 from ._config import config
-from ._errors import CopyRequiredError, JaxRuntimeError, like_stock
+from .errors import CopyRequiredError, JaxRuntimeError, like_stock
 
 _lock = threading.Lock()
 _saved: dict[tuple[object, str], object] = {}

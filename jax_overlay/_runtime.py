@@ -51,7 +51,7 @@ def gpu_backend():
     try:
         return _xb.get_backend("cuda")
     except RuntimeError as e:
-        from ._errors import NoCudaError
+        from .errors import NoCudaError
         raise NoCudaError(
             "JAX has no CUDA backend in this process, so it cannot hold GPU "
             "memory; install jax with its CUDA plugin (pip install "
@@ -70,7 +70,7 @@ def gpu_device(ordinal: int):
         try:
             dev = backend.device_from_local_hardware_id(ordinal)
         except Exception as e:  # jaxlib raises its own runtime error type
-            from ._errors import like_stock
+            from .errors import like_stock
             # Stock JAX's import asks the same lookup: its class, too.
             raise like_stock(BufferError(
                 f"the memory belongs to CUDA device {ordinal}, which JAX does "

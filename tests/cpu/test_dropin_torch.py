@@ -22,7 +22,7 @@ import dropin as D  # noqa: E402
 import jax_overlay  # noqa: E402
 from jax_overlay import _imports  # noqa: E402
 from jax_overlay import _runtime as rt  # noqa: E402
-from jax_overlay._errors import CopyRequiredError  # noqa: E402
+from jax_overlay.errors import CopyRequiredError  # noqa: E402
 from test_dropin import _coords  # noqa: E402
 
 NAMES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",

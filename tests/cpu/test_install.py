@@ -11,7 +11,7 @@ import pytest
 import dropin as D
 import jax_overlay
 from jax_overlay import _imports
-from jax_overlay._errors import JaxRuntimeError
+from jax_overlay.errors import JaxRuntimeError
 from jax_overlay import _runtime as rt
 from jax_overlay import _testing as T
 

@@ -1,4 +1,4 @@
-"""Exception classes that keep stock JAX's contract.
+"""Room: the public exception classes, which keep stock JAX's contract.
 
 The protocols (DLPack, the Array API) ask for ``BufferError`` where a copy
 is needed but ``copy=False`` forbids it, or where memory cannot be held;
@@ -34,6 +34,13 @@ class LayoutCopyRequiredError(CopyRequiredError, JaxRuntimeError):
     __init__ = _runtime_init
 
 
+class ForeignError(RuntimeError):
+    """What ``fn`` did wrong inside a ``jax_overlay.foreign`` call: an
+    exception it raised (chained), an output that contradicts
+    ``result_shape_dtypes``, or a view it kept.  XLA reports it as its
+    runtime error, naming this class."""
+
+
 class NoCudaError(BufferError, JaxRuntimeError):
     """GPU memory in a process where JAX has no CUDA backend (or no driver):
     stock JAX's ``JaxRuntimeError`` ("requires CUDA support")."""
@@ -42,15 +49,21 @@ class NoCudaError(BufferError, JaxRuntimeError):
 
 @functools.cache
 def _joined(ours: type, stock: type) -> type:
-    """One class deriving from both; cached, so ``except`` clauses and
-    ``type(e)`` comparisons see the same class every time."""
+    """One class deriving from both, named after both (BufferError and
+    TypeError give ``jax_overlay.errors.BufferTypeError``: never a builtin's
+    name) and reachable under that name here, so that it pickles; cached,
+    so ``except`` clauses and ``type(e)`` comparisons see the same class
+    every time."""
     if issubclass(ours, stock):
         return ours
+    name = ours.__name__.removesuffix("Error") + stock.__name__
     body = {"__init__": _runtime_init} if issubclass(stock, JaxRuntimeError) else {}
-    return type(ours.__name__, (ours, stock), {
-        **body, "__module__": __name__,
+    cls = type(name, (ours, stock), {
+        **body, "__module__": __name__, "__qualname__": name,
         "__doc__": f"{ours.__name__} of jax_overlay that is also stock JAX's "
                    f"{stock.__name__} for the same refusal."})
+    globals()[name] = cls
+    return cls
 
 
 def like_stock(e: BaseException, stock: type) -> BaseException:
