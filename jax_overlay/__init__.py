@@ -12,12 +12,12 @@
 from ._version import __version__
 from . import _native  # noqa: F401  (first: ImportError saying how to build a missing or stale native module)
 from ._config import config
-from ._dlpack import from_dlpack
 from . import errors
 from .errors import CopyRequiredError, ForeignError
-from ._exports import cuda_array_interface, to_dlpack
+from ._cai import cuda_array_interface
+from ._dlpack import to_dlpack
 from ._foreign import foreign, foreign_stream
-from ._imports import from_cuda_array_interface
+from ._route import from_cuda_array_interface, from_dlpack
 from ._install import install, installed, uninstall
 from ._shards import Shard, from_shards, to_shards
 

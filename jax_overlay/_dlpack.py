@@ -1,35 +1,400 @@
-"""DLPack import: the same capsule path as the CAI import, for any producer
-of ``__dlpack__`` (or a raw capsule), asking for DLPack 1.x."""
+"""Room: DLPack, both ways.  Its vocabulary (device types, dtype codes,
+versions, devices and versions as pairs), the export (``__dlpack__`` and
+``__dlpack_device__`` of a JAX array: versioned capsules with READ_ONLY and
+IS_COPIED, ordered after the array's pending computation on the GPU), and
+the import of a producer's capsule, asking for DLPack 1.x, into the
+protocol-neutral import (``_view``).  Arguments are read, and refused, in
+the order and with the classes of the running jax's own DLPack."""
 
 from __future__ import annotations
 
+import datetime
 import functools
-from typing import Any
+import operator
+from typing import TYPE_CHECKING
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from . import _exports
-from . import _imports
 from . import _runtime as rt
+from . import _view
 from . import _xla_ext as ext
-from .errors import JaxRuntimeError, like_stock
+from ._view import GPU_ALIGNMENT, KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED, NUMPY_DTYPES
+from .errors import CopyRequiredError, JaxRuntimeError, like_stock
 
-KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED = 1, 2, 3, 13
+if TYPE_CHECKING:
+    from typing_extensions import CapsuleType
+else:
+    # types.CapsuleType exists from Python 3.13 on; datetime's C API is a capsule.
+    CapsuleType = type(datetime.datetime_CAPI)
+
 _NAMES = {KDLCPU: "kDLCPU", KDLCUDA: "kDLCUDA", KDLCUDAHOST: "kDLCUDAHost",
           KDLCUDAMANAGED: "kDLCUDAManaged"}
+# The newest version asked for and written: the native core's.
 MAX_VERSION = tuple(ext.DLPACK_VERSION)
-CapsuleType = _exports.CapsuleType
+_LEGACY_STREAM = 1
 
+_DL_KIND_CODES = {"b": 6, "i": 0, "u": 1, "f": 2, "c": 5}
+_DL_NAMED_CODES = {"bfloat16": 4, "float8_e3m4": 7, "float8_e4m3": 8,
+                   "float8_e4m3b11fnuz": 9, "float8_e4m3fn": 10,
+                   "float8_e4m3fnuz": 11, "float8_e5m2": 12,
+                   "float8_e5m2fnuz": 13, "float8_e8m0fnu": 14}
+
+
+def dtype_code(dtype):
+    """DLPack's (code, bits, lanes) of a NumPy or ml_dtypes dtype, for both
+    directions."""
+    if dtype in NUMPY_DTYPES:
+        return (_DL_KIND_CODES[dtype.kind], dtype.itemsize * 8, 1)
+    code = _DL_NAMED_CODES.get(dtype.name)
+    if code is None:
+        # jaxlib refuses it with its runtime error ("no DLPack equivalent").
+        raise like_stock(BufferError(
+            f"DLPack has no type code for {dtype}: convert the array (astype) to a "
+            "type DLPack describes first"), JaxRuntimeError)
+    return (code, dtype.itemsize * 8, 1)
+
+
+def int_pair(value):
+    """`value` as a tuple of two ints (IntEnums and NumPy ints included), or
+    None if it is not a tuple or list of two integers: DLPack's devices and
+    versions."""
+    if type(value) is tuple and len(value) == 2:
+        a, b = value
+        if type(a) is int and type(b) is int:
+            return value  # the common case, without a conversion
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        return None
+    try:
+        return operator.index(value[0]), operator.index(value[1])
+    except TypeError:
+        return None
+
+
+def device_pair(value):
+    """A DLPack device as stock JAX reads one, for both directions: int_pair,
+    or any pair of numbers with integral values (stock unpacks the pair and
+    looks the type up by equality, so (1.0, 0) is the CPU), as ints; else
+    None (bad_device's error)."""
+    pair = int_pair(value)
+    if pair is not None:
+        return pair
+    try:
+        a, b = value
+        pair = int(a), int(b)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return pair if pair == (a, b) and not isinstance(a, (str, bytes)) else None
+
+
+def bad_device(what):
+    """The error for a device device_pair cannot read, `what` saying where
+    it came from: a TypeError, and the ValueError stock's unpacking raises."""
+    return like_stock(TypeError(
+        f"{what}; the DLPack protocol asks for a tuple (device_type: int, "
+        "device_id: int)"), ValueError)
+
+
+
+# Export -------------------------------------------------------------------
+
+def _dl_check(x):
+    """The precise error for an array the fast path turned away: TypeError
+    for anything but a jax.Array, BufferError for a deleted or sharded
+    one."""
+    if isinstance(x, rt.ArrayImpl) and x.is_deleted():
+        raise BufferError(
+            "the JAX array was deleted or donated: its buffer is gone, so it has "
+            "no __dlpack__")
+    rt.check_live(x)
+    devices = x.sharding.device_set
+    if len(devices) != 1:
+        raise BufferError(
+            f"__dlpack__ is only supported for unsharded arrays. "
+            f"It describes one buffer, but this array is sharded over "
+            f"{len(devices)} devices; export each shard instead: "
+            f"{rt.PER_SHARD}.__dlpack__")
+
+
+def _dl_enum(code):
+    """JAX's DLDeviceType member where this jax has it (it is an IntEnum)."""
+    try:
+        from jax._src.dlpack import DLDeviceType
+        return DLDeviceType(code)
+    except (ImportError, ValueError):
+        return code
+
+
+_DL_CPU = (_dl_enum(KDLCPU), 0)
+_DL_CUDA, _DL_CUDAHOST = _dl_enum(KDLCUDA), _dl_enum(KDLCUDAHOST)
+
+
+@functools.cache
+def _cuda_gpus():
+    """Whether this process's "gpu" platform is CUDA (not ROCm)."""
+    try:
+        rt.gpu_backend()
+    except BufferError:
+        return False
+    return True
+
+
+def ours(x) -> bool:
+    """Whether jax_overlay exports `x`: CUDA arrays, and CPU arrays where the
+    running jaxlib has no DLPack 1.x of its own (its CPU export is right
+    from jaxlib 0.12 on: versioned capsules, READ_ONLY, IS_COPIED).  Other
+    platforms, and deleted or donated arrays (nothing to export: stock's
+    own error is the one to keep), keep JAX's own protocol methods."""
+    if x.is_deleted():
+        return False
+    platform = x.platform()
+    if platform == "cpu":
+        return not rt.NATIVE_DLPACK_1
+    return platform == "gpu" and _cuda_gpus()
+
+
+def _device_of(x):
+    """The one device of `x`, BufferError for a sharded array."""
+    sharding = x.sharding
+    if type(sharding) is jax.sharding.SingleDeviceSharding:
+        return sharding._device
+    devices = sharding.device_set
+    if len(devices) != 1:
+        raise BufferError(
+            f"__dlpack__ describes one buffer, but this array is sharded "
+            f"over {len(devices)} devices; export each shard instead: "
+            f"{rt.PER_SHARD}.__dlpack__")
+    device, = devices
+    return device
+
+
+def dlpack_device(x):
+    """``__dlpack_device__``: where the array's memory is.  A ``pinned_host``
+    array is kDLCUDAHost (jax < 0.10.2 said kDLCUDA), device memory kDLCUDA,
+    a CPU array kDLCPU: (kDLCPU, 0) for every CPU device, as stock says
+    (host memory belongs to no CPU device in particular); the capsule
+    itself names the device's id, as stock's does (_capsule_device)."""
+    device = _device_of(x)
+    if device.platform == "cpu":
+        return _DL_CPU
+    return (_DL_CUDAHOST if x.sharding.memory_kind == "pinned_host" else _DL_CUDA,
+            device.local_hardware_id)
+
+
+def _capsule_device(x, device):
+    """(device type, id) that the capsule of `x`, on `device`, carries:
+    dlpack_device's, with a CPU device's own id, as jaxlib's capsule says
+    (cpu:1 is (kDLCPU, 1))."""
+    dl_type, dl_id = dlpack_device(x)
+    if int(dl_type) == KDLCPU:
+        return KDLCPU, device.local_hardware_id
+    return int(dl_type), int(dl_id)
+
+
+def _dl_destination(dl_device):
+    """The JAX device `dl_device` names, read as stock's to_dlpack reads it
+    (a falsy pair or device type names none; the pair is unpacked, its type
+    looked up in stock's table, its id in that backend), with stock's
+    classes and our words: ValueError/TypeError for what does not unpack,
+    BufferError for a type stock does not map, its RuntimeError for a
+    backend or id this process does not have."""
+    if not dl_device:
+        return None
+    try:
+        dl_type, dl_id = dl_device
+    except (TypeError, ValueError) as e:  # stock's class, and a TypeError: a wrong type
+        raise like_stock(TypeError(f"dl_device={dl_device!r}: the DLPack protocol asks for a "
+                                   "tuple (device_type: int, device_id: int)"), type(e)) from None
+    if not dl_type:
+        return None
+    try:
+        platform = rt.stock_dlpack_platforms()[dl_type]
+    except (KeyError, TypeError):  # TypeError: unhashable, stock's too
+        raise BufferError(
+            f"dl_device={dl_device!r}: device type {dl_type!r} is not one JAX exports to; "
+            "pass (1, id) for the host or (2, id) for a CUDA device") from None
+    try:
+        return rt.backend(platform).device_from_local_hardware_id(dl_id)
+    except Exception as e:  # jaxlib's runtime error, or its argument TypeError
+        raise like_stock(BufferError(
+            f"dl_device={dl_device!r}: this process has no {platform} device {dl_id!r} ({e})"),
+            type(e)) from None
+
+
+def _versioned(max_version):
+    """Whether a consumer allowing `max_version` gets a versioned capsule,
+    read as stock's to_dlpack of the running jax reads it: compared with
+    tuples (TypeError, or ValueError, for what does not compare), BufferError
+    below stock's oldest version.  Where jaxlib takes max_version itself,
+    its (int, int) check comes later, with the other arguments jaxlib reads
+    (_jaxlib_arguments)."""
+    if max_version is None:
+        return False
+    stock = rt.stock_dlpack()
+    try:
+        known = (max_version >= tuple(stock.DLPACK_VERSION)
+                 or max_version >= tuple(stock.MIN_DLPACK_VERSION))
+        versioned = bool(known and max_version >= (1, 0))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"max_version={max_version!r}: pass None or a tuple "
+                      "(major: int, minor: int)") from None
+    if not known:
+        raise BufferError(f"max_version={max_version!r}: JAX exports no DLPack "
+                          f"version below {tuple(stock.MIN_DLPACK_VERSION)}")
+    return versioned
+
+
+def _index(v):
+    try:
+        operator.index(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _jaxlib_arguments(stream, max_version):
+    """The refusal of arguments stock's jaxlib call cannot take, as an
+    instance of its TypeError: a stream that is not an int64, and (DLPack
+    1.x native jaxlib) a max_version that is not two ints."""
+    bad = []
+    if stream is not None and not (_index(stream) and -2**63 <= operator.index(stream) < 2**63):
+        bad.append(f"stream={stream!r} (pass None, -1, 1, 2 or a CUDA stream handle)")
+    if rt.NATIVE_DLPACK_1 and max_version is not None and not (
+            not isinstance(max_version, (str, bytes)) and _len(max_version) == 2
+            and all(_index(v) for v in max_version)):
+        bad.append(f"max_version={max_version!r} (pass a tuple (major: int, minor: int))")
+    if bad:
+        raise like_stock(BufferError("__dlpack__: " + "; ".join(bad)), TypeError)
+
+
+def _len(v):
+    try:
+        return len(v)
+    except TypeError:
+        return -1
+
+
+def to_dlpack(x: jax.Array, *, stream: int | None = None,
+              max_version: tuple[int, int] | None = None,
+              dl_device: tuple[int, int] | None = None,
+              copy: bool | None = None) -> CapsuleType:
+    """A DLPack capsule of a single-device JAX array, per the Array API's
+    ``__dlpack__``.
+
+    * ``max_version`` >= (1, 0): a versioned capsule with READ_ONLY (JAX arrays
+      are immutable) and IS_COPIED when a copy was made; else a legacy one.
+    * ``stream`` for GPU arrays: None = the legacy default stream, -1 = no
+      ordering, 1 / 2 / a handle = that stream, which waits on the GPU for the
+      array's pending computation; the host never waits for the GPU (only,
+      for microseconds, until JAX has enqueued the computation).  CPU
+      consumers of a pending array (a CPU array, or ``dl_device=(kDLCPU, 0)``
+      on a pinned one) can only be served by waiting for it.
+    * ``dl_device=(kDLCPU, 0)`` on a ``pinned_host`` array is a zero-copy CPU
+      view; another device copies there (BufferError with ``copy=False``).
+    * Arguments are read, and refused, in the order and with the classes of
+      stock JAX's ``__dlpack__``: ``dl_device``, ``max_version``, the copy,
+      then what jaxlib itself checks (the stream).
+    * The capsule holds the array and jaxlib's external reference, which
+      makes XLA refuse to donate the buffer while a consumer holds it; only
+      a pending array exported with ``stream=-1`` has none (getting one would
+      mean waiting for it), so do not donate it while that export lives.
+    """
+    if dl_device is None and not copy and type(x) is rt.ArrayImpl and (
+            stream is None or type(stream) is int and (stream > 0 or stream == -1)):
+        entry = _dl_ready_facts.get(id(x))
+        # As for the CAI: the weak reference proves the entry is this
+        # array's; a deleted or donated buffer is gone.
+        if entry is not None and entry[0]() is x and not x.is_deleted():
+            ptr, shape, strides, dl_dtype, dl_type, dl_id = entry[1]
+            versioned = _versioned(max_version)
+            if rt.NATIVE_DLPACK_1 and max_version is not None:
+                _jaxlib_arguments(stream, max_version)
+            # Lifetime as below: the array holds its buffer, jaxlib's
+            # external reference blocks donation while a consumer holds it.
+            return ext.raw_capsule((x, rt.external_reference(x)), ptr, shape, strides,
+                                   dl_dtype, dl_type, dl_id, versioned,
+                                   ext.FLAG_READ_ONLY if versioned else 0)
+    if type(x) is not rt.ArrayImpl or x.is_deleted():
+        _dl_check(x)  # the precise error
+    source = _device_of(x)  # BufferError for a sharded array, stock's first check
+    # Stock's order: the destination, the version, the copy, then jaxlib's
+    # own checks of what it is passed.
+    dest = _dl_destination(dl_device)
+    versioned = _versioned(max_version)
+    target = _capsule_device(x, source)
+    copied = False
+    if dest is not None and target[0] == KDLCUDAHOST and dest.platform == "cpu":
+        target = (KDLCPU, dest.local_hardware_id)  # the same pinned memory, read by the host
+    elif dest is not None and dest != source:
+        if copy is not None and not copy:
+            raise CopyRequiredError(
+                f"Specified dl_device={dl_device!r} which requires a copy since the "
+                f"source device is {source!r}, however copy=False. Set copy=True or "
+                "copy=None to perform the requested operation.")
+        else:
+            x, copied = rt.device_put(x, dest), True
+            target = _capsule_device(x, dest)
+    if copy and not copied:
+        # A fresh buffer on the same device: device_put to where the array
+        # already is would alias it.
+        x, copied = rt.device_put(x, x.sharding, may_alias=False), True
+    _jaxlib_arguments(stream, max_version)
+    dl_dtype = dtype_code(x.dtype)  # jaxlib's refusal: its runtime error
+    ready = x.is_ready()  # type: ignore[attr-defined]  # an ArrayImpl: checked above
+    if target[0] == KDLCPU:
+        # Any stream is served: a host reader has none to wait on, so the
+        # host waits for the array instead.  (Stock jaxlib serves one for a
+        # view of host memory and refuses it, UNIMPLEMENTED, for a buffer
+        # of its own: the overlay serves both.)
+        if not ready:
+            x.block_until_ready()  # a host reader has no stream to wait on
+            ready = True
+    elif stream is not None and (stream == 0 or stream < -1):
+        # jaxlib refuses what it cannot wait on with its runtime error.
+        raise like_stock(BufferError(
+            f"stream={stream!r}: pass None (legacy default stream), -1 (no "
+            "ordering), 1, 2 or a CUDA stream handle"), JaxRuntimeError)
+    # PJRT's external reference makes XLA refuse to donate the buffer while
+    # a consumer holds it; jaxlib's capsule carries it and drops it from its
+    # destructor (it is never consumed), so it lives exactly as long as ours.
+    if ready:
+        reference = rt.external_reference(x)
+    elif stream != -1:
+        # The consumer's stream waits, on the GPU, for the array's pending
+        # computation (rt.order_stream_after); the capsule jaxlib returns
+        # holds PJRT's external reference.
+        reference = rt.order_stream_after(x, _LEGACY_STREAM if stream is None else operator.index(stream))
+    else:
+        reference = None  # unordered and pending: only a host wait could get one
+    dtype = x.dtype
+    strides = rt.byte_strides(x, dtype.itemsize)
+    if strides is not None:
+        strides = [s // dtype.itemsize for s in strides]
+    # Lifetime: the array keeps its buffer alive, the reference blocks donation.
+    owner = x if reference is None else (x, reference)
+    flags = ext.FLAG_READ_ONLY | (ext.FLAG_IS_COPIED if copied else 0)
+    ptr, shape = x.unsafe_buffer_pointer(), list(x.shape)
+    if ready and not copied and type(x) is rt.ArrayImpl:
+        # What a ready array's capsule says never changes while it lives.
+        rt.remember(x, (ptr, shape, strides, dl_dtype, target[0], target[1]), _dl_ready_facts)
+    return ext.raw_capsule(owner, ptr, shape, strides, dl_dtype, target[0], target[1],
+                           versioned, flags if versioned else 0)
+
+
+# The DLPack export's facts of ready arrays, as _ready_facts for the CAI.
+_dl_ready_facts: dict[int, tuple] = {}
+
+
+# Import -------------------------------------------------------------------
 
 def _holdable_dtypes():
     """DLPack (code, bits, lanes) -> the NumPy dtype of every type JAX holds,
     from the export's own table, so both directions agree on every code."""
-    cands = list(_exports._CAI_DTYPES) + [
-        np.dtype(getattr(ml_dtypes, name)) for name in _exports._DL_NAMED_CODES
+    cands = list(NUMPY_DTYPES) + [
+        np.dtype(getattr(ml_dtypes, name)) for name in _DL_NAMED_CODES
         if hasattr(ml_dtypes, name)]
-    return {_exports._dl_dtype(d): d for d in cands}
+    return {dtype_code(d): d for d in cands}
 
 
 # Sub-byte types (int4, float4, ...) are not among them: DLPack packs them
@@ -58,11 +423,11 @@ def device_of(x):
     """(device_type, device_id) from ``x.__dlpack_device__()``, which the
     protocol says is a pair of ints; anything else is an error naming what
     came back (unpacking it blindly gave 'not enough values'):
-    _exports.bad_device."""
+    bad_device."""
     dev = x.__dlpack_device__()
-    pair = _exports.device_pair(dev)
+    pair = device_pair(dev)
     if pair is None:
-        raise _exports.bad_device(
+        raise bad_device(
             f"{type(x).__module__}.{type(x).__qualname__}.__dlpack_device__() returned {dev!r}")
     return pair
 
@@ -80,7 +445,7 @@ def stock_device(dl_type, dl_id):
     where there is none (RuntimeError: no such backend; jaxlib's error: no
     such id).  None for a type stock does not map (kDLCUDAManaged;
     kDLCUDAHost on jax 0.10): its TypeError is raised last
-    (_refused_by_stock_as), the overlay imports them."""
+    (refused_by_stock_as), the overlay imports them."""
     platform = _STOCK_PLATFORMS.get(dl_type)
     if platform is None:
         return None
@@ -107,7 +472,7 @@ def stock_class(dl_type):
     return TypeError if dl_type not in _STOCK_PLATFORMS else RuntimeError
 
 
-def _refused_by_stock_as(x):
+def refused_by_stock_as(x):
     """The class stock from_dlpack raises for `x` whatever else it is asked,
     or None: TypeError for a raw capsule (stock takes producers only) and
     for a device type outside its table (kDLCUDAManaged; kDLCUDAHost on
@@ -169,9 +534,11 @@ def _producer_stream(dl_type, dl_id):
     return None
 
 
-def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
+def import_dlpack(x, *, copy=None, advertised=None, host_device=None, resolve=None):
     """(array, copied) for a ``__dlpack__`` producer or a raw capsule.
     `advertised`: the producer's ``__dlpack_device__()`` if already asked.
+    `resolve`: (obj, copy) -> (obj, copied), what the producer's library
+    leaves lazy resolved once its device is known (peers.resolve).
     `host_device`: the CPU device that views host memory (kDLCPU), which
     belongs to no device in particular; default the CPU device of the
     producer's id, as stock places it."""
@@ -191,9 +558,10 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
         # Stock looks the device up before it asks the producer: its error
         # for a device this process lacks comes first, not the producer's.
         stock_device(*advertised)
-        # PyTorch exports a lazy negative view's memory unnegated: resolved
-        # first, and the capsule then holds the resolved copy.
-        x, resolved = _imports.resolve_lazy(x, copy)
+        # A lazy view (PyTorch exports a negative view's memory unnegated):
+        # resolved first, and the capsule then holds the resolved copy.
+        if resolve is not None:
+            x, resolved = resolve(x, copy)
         stream = _producer_stream(*advertised)
         if stream is None or not _gpu_target(advertised[1])[2]:
             cap = _request(x, stream, copy)
@@ -208,24 +576,25 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
     # as a legacy one jaxlib reads.  READ_ONLY needs nothing: JAX never writes
     # to an imported buffer, short of donating it (see the README).
     try:
-        cap, view, cap_type, cap_id, flags = ext.plan_dlpack_import(cap)
+        plan = ext.plan_dlpack_import(cap)
     except BufferError as e:  # jaxlib's own reading of the capsule: its runtime error
         raise like_stock(e, JaxRuntimeError) from None
-    copied = bool(flags & ext.FLAG_IS_COPIED) or resolved
+    cap, view = plan.capsule, plan.view
+    copied = bool(plan.flags & ext.FLAG_IS_COPIED) or resolved
     # Before jaxlib sees it: a dtype it cannot read would come back as its
     # RuntimeError.  The refused capsule's destructor frees the tensor.
     dtype = _dtype(*view.dtype)
     # Producers may advertise a type their capsule does not carry (PyTorch's
     # pinned tensors say kDLCUDAHost and ship kDLCPU): the advertised one is
     # where the memory is.
-    dl_type, dl_id = advertised or (cap_type, cap_id)
+    dl_type, dl_id = advertised or (plan.device_type, plan.device_id)
     _check_type(dl_type)
     if view.numel == 0:
         ext.release_capsule(cap)
         return _empty(view.shape, dtype, dl_type, dl_id, host_device), copied
     if dl_type == KDLCUDA or dl_type == KDLCUDAMANAGED:
         # Device or managed memory: both are device memory to JAX.
-        device, jax_type, alignment = _gpu_target(dl_id)[0], KDLCUDA, 16
+        device, jax_type, alignment = _gpu_target(dl_id)[0], KDLCUDA, GPU_ALIGNMENT
     elif dl_type == KDLCUDAHOST:
         device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDAHOST, 1
     else:
@@ -233,224 +602,18 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None):
     if view.layout != "strided" and view.data % alignment == 0:
         # On the host jaxlib copies unaligned memory itself unless told not to.
         jax_copy = False if copy is False and jax_type != KDLCUDA else None
-        arr = _imports.import_view(cap, device, jax_copy, jax_type)
+        arr = _view.import_view(cap, device, jax_copy, jax_type)
         pinned_copy = jax_type == KDLCUDAHOST and not rt.PINNED_VIEW
         return arr, copied or pinned_copy
-    out = _imports.copy_import(
-        cap, view.data, view.shape, view.strides, dtype,
-        view.itemsize, view.low, view.span, view.layout, alignment,
-        jax_type, dl_id if dl_type != KDLCPU else 0, device, 0, copy)
+    out = _view.copy_import(cap, view, dtype, jax_type, dl_id if dl_type != KDLCPU else 0,
+                            device, alignment=alignment, copy=copy)
     return out, True
 
 
 def _empty(shape, dtype, dl_type, dl_id, host_device):
-    host = np.empty(shape, dtype)
     if dl_type == KDLCPU:
         target = host_device or rt.cpu_device(dl_id) or rt.host_device()
     else:
         kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"
         target = rt.memory_sharding(rt.gpu_device(dl_id), kind)
-    with rt.x64(True):  # the producer's dtype, as a view of it would have
-        return rt.device_put(host, target)
-
-
-_GPU_TYPES = frozenset({KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED})
-
-# The cheaper of the two routes, where both give the same array.  A
-# producer that offers both protocols is imported through its CUDA Array
-# Interface when the CAI describes the array exactly and orders it as its
-# __dlpack__ would: the CAI import skips the producer's capsule (PyTorch's
-# __dlpack__ alone took 16.6 us on the H200; the whole CAI import of a
-# PyTorch tensor 9.3 us) and sidesteps capsules that contradict the CAI
-# (CuPy 14.2's __dlpack__ of a reversed view has a stride of 2**62 - 1).
-# Everything else (pinned or host memory, bfloat16, a CAI that raises,
-# tensors requiring grad) takes DLPack.  A reader per producer type: it
-# returns (owner, CAI dict, copied) to import, or None for DLPack.
-_cai_readers: dict[type, object] = {}
-_DLPACK = None
-
-
-def _cai_v3(obj, copy):
-    """A producer's own CAI when it is version 3 with a stream: the order
-    its __dlpack__ would give (CuPy's: its current stream for both)."""
-    try:
-        cai = obj.__cuda_array_interface__
-    except Exception:  # no CUDA memory, a dtype it cannot describe, ...
-        return None
-    if type(cai) is not dict or cai.get("version", 0) < 3 or cai.get("stream") is None:
-        return None
-    return obj, cai, False
-
-
-@functools.cache
-def _torch_facts():
-    """(current raw stream of a device, the NumPy dtype of each PyTorch
-    dtype its CAI describes exactly)."""
-    import torch
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get is None:  # a PyTorch without the raw accessor
-        def get(index):
-            return torch.cuda.current_stream(index).cuda_stream
-    exact = {getattr(torch, name): np.dtype(name) for name in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "float16",
-        "float32", "float64", "complex64", "complex128")}
-    return get, exact
-
-
-def _cai_torch(t, copy):
-    """A PyTorch CUDA tensor's CAI, ordered as its __dlpack__ orders: after
-    the current stream of the tensor's device.  PyTorch exports CAI version
-    2 with no stream, so the stream is added here.  None (DLPack) for what
-    the CAI would refuse or get wrong: tensors requiring grad, and any dtype
-    whose type string is not exactly its own (bfloat16 is exported as
-    '<f2').  A conjugate or negative view is resolved first
-    (_imports.resolve_lazy), on either route."""
-    if not t.is_cuda or t.requires_grad:
-        return None
-    stream_of, exact = _torch_facts()
-    want = exact.get(t.dtype)
-    if want is None:
-        return None
-    t, copied = _imports.resolve_lazy(t, copy)
-    try:
-        cai = t.__cuda_array_interface__
-    except Exception:
-        return None
-    if cai.get("typestr") != want.str:
-        return None
-    stream = stream_of(t.get_device())
-    cai["version"] = 3
-    cai["stream"] = stream if stream else 1  # PyTorch's 0 is the legacy stream
-    return t, cai, copied
-
-
-def _reader(t):
-    reader = _cai_readers.get(t, 0)
-    if reader == 0:
-        if t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter"):
-            reader = _cai_torch
-        elif issubclass(t, np.ndarray) and t.__dlpack_device__ is np.ndarray.__dlpack_device__:
-            # A NumPy array that is also CUDA memory (Numba's mapped and
-            # managed arrays): its __dlpack__ is NumPy's, host memory, so
-            # from_dlpack gives a host array as stock's does; the entry
-            # points that read the CAI first say so (import_foreign).
-            reader = _DLPACK
-        elif hasattr(t, "__cuda_array_interface__") and hasattr(t, "__dlpack__"):
-            reader = _cai_v3
-        else:
-            reader = _DLPACK
-        _cai_readers[t] = reader
-    return reader
-
-
-def cai_route(obj, copy=None):
-    """(owner, CAI dict, copied) to import `obj` through, or None for
-    DLPack (or for an object with one protocol only).  The owner is what
-    the import holds alive: `obj`, or the copy the producer made of it
-    (BufferError where copy=False forbids that copy)."""
-    reader = _reader(type(obj))
-    return None if reader is None else reader(obj, copy)
-
-
-def _import_route(route, copy):
-    owner, cai, copied = route
-    arr, fresh = _imports.import_cai(owner, cai, copy=copy)
-    return arr, fresh or copied
-
-
-def _import(x, copy, host_device=None):
-    """(array, copied) of a DLPack producer by its cheapest safe route (see
-    cai_route): its CAI where that gives the same array, else DLPack."""
-    route = cai_route(x, copy)
-    if route is not None:
-        return _import_route(route, copy)
-    return import_dlpack(x, copy=copy, host_device=host_device)
-
-
-def import_foreign(obj, copy, host_device=None, cai_first=False):
-    """(array, copied) for a foreign array by its cheapest safe route: its
-    CUDA Array Interface where cai_route() says so, else DLPack when the
-    object has it, else its CAI; None when it has neither.
-
-    Host memory (kDLCPU) is viewed on `host_device`; without one it gives
-    None, and so does a DLPack device type jax_overlay cannot hold that has
-    no CAI either: the caller's own path (JAX's, after install()) takes
-    those.  With `host_device` such a type raises BufferError naming it.
-    `cai_first`: the caller stands in for an entry point whose stock path
-    reads a CAI before anything else (jnp.asarray, jnp.array), so a host
-    producer that also has a CAI is imported through it, as stock does,
-    but holding the producer."""
-    route = cai_route(obj, copy)
-    if route is not None:
-        return _import_route(route, copy)
-    dlpack_device = getattr(obj, "__dlpack_device__", None)
-    if dlpack_device is not None and hasattr(obj, "__dlpack__"):
-        try:
-            dl_type, dl_id = device_of(obj)
-        except Exception:
-            if host_device is not None:
-                raise
-            # Stock's jnp.asarray, jnp.array and jax.device_put never ask for
-            # __dlpack_device__: where it raises (PyTorch's, for a negative
-            # view of bool) the object is theirs, as on stock, unless a CAI
-            # says otherwise.
-            dl_type = dl_id = None
-        if dl_type in _GPU_TYPES or host_device is not None:
-            return import_dlpack(obj, copy=copy, advertised=(dl_type, dl_id),
-                                 host_device=host_device)
-        if dl_type == KDLCPU and not cai_first:
-            return None  # the caller's host path; with cai_first, its CAI if it has one
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is None:
-        return None
-    return _imports.import_cai(obj, cai, copy=copy)
-
-
-def _cpu_target(device):
-    """The CPU device `device=` names, if it names exactly one."""
-    if isinstance(device, jax.sharding.Sharding):
-        if len(device.device_set) != 1:
-            return None
-        device, = device.device_set
-    return device if getattr(device, "platform", None) == "cpu" else None
-
-
-def from_dlpack(x: Any, /, *, device: jax.Device | jax.sharding.Sharding | None = None,
-                copy: bool | None = None) -> jax.Array:
-    """A :class:`jax.Array` from any DLPack producer (``__dlpack__``) or a raw
-    capsule, per the Array API's ``from_dlpack``.
-
-    * Asks for DLPack 1.x (``max_version=(1, 1)``) and falls back to the
-      legacy call for older producers; versioned capsules are converted
-      natively, so this works on jaxlib versions that read legacy capsules
-      only.  READ_ONLY tensors (read-only NumPy arrays) import zero-copy.
-    * Device types kDLCPU, kDLCUDA, kDLCUDAHost (a ``pinned_host`` array) and
-      kDLCUDAManaged (a device array); anything else raises BufferError.
-    * GPU producers order JAX's compute stream after their pending work: the
-      host never waits.
-    * Placed on the device that owns the memory: the GPU of the
-      producer's ``__dlpack_device__``, whatever device is current (the
-      producer's ``__dlpack__`` is called with its own device current).
-      Host memory (kDLCPU) belongs to every CPU device: ``device=`` a CPU
-      device views it there (stock JAX copies it there), else it lands on
-      the CPU device of the producer's id, as on stock.
-    * Strided or misaligned tensors: one copy on the same device
-      (BufferError with ``copy=False``); ``device=`` and ``copy=True`` as in
-      :func:`from_cuda_array_interface`.
-    """
-    try:
-        if device is None:  # the common call, without the checks below
-            arr, copied = _import(x, copy)
-            return _imports.finish(arr, copied, copy=copy)
-        if isinstance(device, jax.sharding.Sharding) and len(device.device_set) != 1:
-            raise ValueError(
-                f"device={device} spans {len(device.device_set)} devices; from_dlpack "
-                "imports one buffer: pass one device, then jax.device_put the result "
-                "onto the sharding")
-        arr, copied = _import(x, copy, _cpu_target(device))
-        return _imports.finish(arr, copied, device=device, copy=copy)
-    except (BufferError, ValueError, TypeError, RuntimeError) as e:
-        stock = _refused_by_stock_as(x)
-        if stock is None or isinstance(e, stock):
-            raise
-        raise like_stock(e, stock) from e.__cause__
+    return _view.empty(shape, dtype, target)

@@ -3,9 +3,11 @@ library runs on views of XLA's own buffers, through
 ``jax.experimental.buffer_callback``, with no copy of its inputs and no
 host synchronisation beyond what the library itself does.
 
-Frameworks: ``"numpy"`` (host buffers, the CPU backend); ``"torch"``,
-``"cupy"`` and ``"numba"`` (device buffers, on XLA's own CUDA stream; see
-``_foreign_gpu``); ``"torch"`` also on host buffers (the CPU backend).
+Room: functions inside jit.  Frameworks are the peers with an adapter
+(jax_overlay.peers): ``"numpy"`` (host buffers, the CPU backend);
+``"torch"``, ``"cupy"`` and ``"numba"`` (device buffers, on XLA's own CUDA
+stream); ``"torch"`` also on host buffers (the CPU backend).  Each adapter
+lives in its peer's module.
 
 Lifetime: the views given to ``fn`` are XLA's buffers for the duration of
 the call only.  Inputs are views XLA still owns (read-only where the
@@ -22,17 +24,14 @@ from __future__ import annotations
 import functools
 import gc
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from . import peers
 from .errors import ForeignError
-
-FRAMEWORKS = ("numpy", "torch", "cupy", "numba")
-_KDL_CPU = 1
 
 
 _local = threading.local()
@@ -78,62 +77,21 @@ def _result_spec(result_shape_dtypes, args):
     return jax.tree_util.tree_unflatten(tree, flat)
 
 
-def _mismatch(i, got_dtype, got_shape, want_dtype, want_shape):
-    return ForeignError(
-        f"output {i} of the foreign function is {got_dtype}{list(got_shape)}, but "
-        f"result_shape_dtypes says {np.dtype(want_dtype)}{list(want_shape)}; return "
-        "exactly that, or correct result_shape_dtypes")
-
-
-class _NumPy:
-    """Views of XLA's host buffers as NumPy arrays."""
-    name = "numpy"
-    array = np.ndarray  # the exact type of the framework's arrays: a pytree leaf
-
-    def ordinal(self, buffers):
-        for b in buffers:
-            if b.__dlpack_device__()[0] != _KDL_CPU:
-                raise ForeignError(
-                    "framework='numpy' runs on host buffers, and this computation runs on a "
-                    f"GPU ({b.__dlpack_device__()}); use framework='torch', 'cupy' or 'numba' "
-                    "there, or put the inputs on the CPU (jax.device_put(x, jax.devices('cpu')[0]))")
-        return None
-
-    def enter(self, ctx, ordinal):
-        """(the stream fn runs on, what exit() needs): nothing for the host."""
-        return None, None
-
-    def exit(self, state):
-        pass
-
-    def view(self, b, writeable, tokens):
-        v = np.asarray(b)
-        if not writeable:
-            v.flags.writeable = False  # fn must not write into JAX's inputs
-        # A view of it (v[1:]) holds v: alive after the call means kept.
-        tokens.append(weakref.ref(v))
-        return v
-
-    def output(self, i, got, view):
-        if type(got) is np.ndarray and got.shape == view.shape and got.dtype == view.dtype:
-            return got  # the common case, without the conversions below
-        arr = np.asarray(got)
-        if not isinstance(got, np.ndarray) and np.ndim(got) == 0 and arr.dtype != view.dtype:
-            # A Python scalar for a 0-d output: its value, in the declared dtype.
-            arr = np.asarray(got, view.dtype)
-        if arr.shape != view.shape or arr.dtype != view.dtype:
-            raise _mismatch(i, arr.dtype, arr.shape, view.dtype, view.shape)
-        return arr
-
-    def copy_into(self, view, arr, stream):
-        np.copyto(view, arr)
+_MADE: dict = {}
 
 
 def _adapter(framework):
-    if framework == "numpy":
-        return _NumPy()
-    from . import _foreign_gpu
-    return _foreign_gpu.adapter(framework)
+    """The framework's foreign() adapter, made (and the library imported)
+    on first use."""
+    made = _MADE.get(framework)
+    if made is None:
+        peer = peers.foreign_peer(framework)
+        try:
+            made = _MADE[framework] = peer.adapter()
+        except ImportError as e:
+            raise ImportError(f"framework={framework!r} needs {peer.title}, which does not import "
+                              f"here: {e}") from e
+    return made
 
 
 def _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens):
@@ -221,14 +179,10 @@ def _kept(tokens):
             "e.g. np.array(x), x.clone() or x.copy() instead of x")
 
 
-# Where each framework runs: "gpu", "cpu" or both (None).
-_PLACES = {"numpy": "cpu", "torch": None, "cupy": "gpu", "numba": "gpu"}
-
-
 def _check_placement(args, framework):
     """Concrete inputs that no foreign call can take: sharded, pinned, or on
     the wrong kind of device.  (Traced inputs are checked in the call.)"""
-    place = _PLACES[framework]
+    place = peers.foreign_peer(framework).runs_on  # "gpu", "cpu" or both (None)
     gpu = place == "gpu"
     arrays = [(i, x) for i, x in enumerate(jax.tree_util.tree_leaves(args))
               if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
@@ -255,9 +209,9 @@ def _check_placement(args, framework):
             raise ValueError(
                 f"input {i} is on {platform}, and framework={framework!r} runs on "
                 f"{'CUDA GPUs' if gpu else 'the CPU'}: "
-                + ("use framework='numpy' or 'torch' for CPU arrays, or "
+                + (f"use framework={peers.where('cpu')} for CPU arrays, or "
                    "jax.device_put(x, jax.devices('gpu')[0])"
-                   if gpu else "use framework='torch', 'cupy' or 'numba' for GPU arrays, or "
+                   if gpu else f"use framework={peers.where('gpu')} for GPU arrays, or "
                    "jax.device_put(x, jax.devices('cpu')[0])"))
 
 
@@ -328,8 +282,7 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
       so nothing is allocated; with ``out=True``, ``fn`` updates it in place.
     * Views live for the call only: anything ``fn`` keeps must be a copy.
     """
-    if framework not in FRAMEWORKS:
-        raise ValueError(f"framework={framework!r}: pass one of {', '.join(map(repr, FRAMEWORKS))}")
+    peers.foreign_peer(framework)  # ValueError naming the frameworks
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__qualname__}")
     if isinstance(vjp, str) and (vjp != "autograd" or framework != "torch"):
@@ -372,8 +325,7 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         return functools.wraps(fn)(call)
 
     if vjp == "autograd":
-        from . import _foreign_gpu
-        backward_fn = _foreign_gpu.autograd_vjp(fn)
+        backward_fn = peers.torch.autograd_vjp(fn)
     else:
         backward_fn = vjp
 

@@ -1,10 +1,10 @@
-"""install()/uninstall(): wire the import and export paths into JAX's public
+"""Room: install()/uninstall(), which wire the import and export paths into JAX's public
 API with JAX's own signatures.
 
 Imports: ``jax.dlpack.from_dlpack`` and ``jnp.from_dlpack`` become
 :func:`jax_overlay.from_dlpack`.  ``jnp.asarray``, ``jnp.array`` and
-``jax.device_put`` take foreign GPU arrays zero-copy, by the cheaper of the
-two protocols that gives the same array (``_dlpack.cai_route``), then apply
+``jax.device_put`` take GPU arrays of other libraries zero-copy, by the cheaper of the
+two protocols that gives the same array (``_route.cai_route``), then apply
 JAX's own semantics to the view.  The drop-in rule (docs/DROPIN.md): what
 works on stock JAX gives the same dtype, shape, values, device and memory
 kind; what fails on stock works or raises an instance of stock's class.
@@ -26,10 +26,11 @@ import jax.dlpack
 import jax.numpy as jnp
 import numpy as np
 
+from . import _cai
 from . import _dlpack
-from . import _exports
-from . import _imports
+from . import _route
 from . import _runtime as rt
+from . import _view
 from . import _xla_ext as ext
 from ._config import config
 from .errors import CopyRequiredError, JaxRuntimeError, like_stock
@@ -86,12 +87,12 @@ def _has_cai(obj):
         return True
 
 
-def _foreign(obj, copy, stock_error, cai_first=True):
-    """(view, copied) for a foreign array in CUDA memory (device, pinned or
+def _peer_array(obj, copy, stock_error, cai_first=True):
+    """(view, copied) for another library's array in CUDA memory (device, pinned or
     managed), else None, by the cheapest safe route the object offers
-    (_dlpack.import_foreign).  A refusal is raised as an instance of
-    `stock_error` too: the class stock JAX raises at this entry point for a
-    foreign array it cannot take.  `cai_first`: stock reads any CAI first
+    (_route.import_peer).  A refusal is raised as an instance of
+    `stock_error` too: the class stock JAX raises at this entry point for
+    such an array that it cannot take.  `cai_first`: stock reads any CAI first
     (jnp.asarray, jnp.array), so a NumPy array that is also CUDA memory
     (Numba's mapped and managed arrays) is imported through its CAI; else
     (jax.device_put) stock reads it as the NumPy array it also is.  There,
@@ -102,7 +103,7 @@ def _foreign(obj, copy, stock_error, cai_first=True):
         return None
     try:
         # No host device: host arrays keep JAX's own path (see the module doc).
-        hit = _dlpack.import_foreign(obj, copy, cai_first=cai_first)
+        hit = _route.import_peer(obj, copy, cai_first=cai_first)
     except Exception as e:
         if cai_first:
             return _Refused(e, obj)  # stock's outcome decides (_stock_after)
@@ -160,13 +161,13 @@ def _device_alias(view):
     long as JAX holds the alias.  None where a device view is not allowed
     (jaxlib needs 16-byte aligned device pointers)."""
     ptr = view.unsafe_buffer_pointer()
-    if ptr % 16:
+    if ptr % _view.GPU_ALIGNMENT:
         return None
     device = next(iter(view.devices()))
     cap = ext.raw_capsule(view, ptr, list(view.shape), None,
-                          _exports._dl_dtype(view.dtype), _dlpack.KDLCUDA,
+                          _dlpack.dtype_code(view.dtype), _view.KDLCUDA,
                           device.local_hardware_id)
-    return _imports.import_view(cap, device, None, _dlpack.KDLCUDA)
+    return _view.import_view(cap, device, None, _view.KDLCUDA)
 
 
 def _platform(device):
@@ -200,7 +201,7 @@ def _move(view, copied, device, copy):
         host = np.asarray(view)
         with rt.x64(True):
             return rt.device_put(host, device), True
-    return _imports.place(view, copied, device,
+    return _view.place(view, copied, device,
                           None if copy is False and not config.strict_copy else copy)
 
 
@@ -221,9 +222,9 @@ def _asarray(orig):
         if not _placeable(device, kwargs):
             return orig(a, dtype, order, copy=copy, device=device, **kwargs)
         # Stock's CAI import raises jaxlib's runtime error for what it refuses.
-        # Only a NumPy subclass asks _reads_cai (_foreign passes NumPy
+        # Only a NumPy subclass asks _reads_cai (_peer_array passes NumPy
         # arrays themselves to JAX before it looks at cai_first).
-        hit = _foreign(a, copy, JaxRuntimeError, type(a) is np.ndarray
+        hit = _peer_array(a, copy, JaxRuntimeError, type(a) is np.ndarray
                        or not isinstance(a, np.ndarray) or _reads_cai(
                            a, dtype, bool(copy), device, out_sharding=kwargs.get("out_sharding"),
                            refuse=copy is False))
@@ -252,7 +253,7 @@ def _array(orig):
         if not _placeable(device, kwargs):  # as in asarray
             return orig(object, dtype, copy=copy, order=order, ndmin=ndmin,
                         device=device, **kwargs)
-        hit = _foreign(object, copy, JaxRuntimeError,  # as in asarray
+        hit = _peer_array(object, copy, JaxRuntimeError,  # as in asarray
                        type(object) is np.ndarray or not isinstance(object, np.ndarray)
                        or _reads_cai(object, dtype, copy, device, ndmin, kwargs.get("out_sharding")))
         if hit is None:
@@ -273,13 +274,13 @@ def _array(orig):
 
 
 def _leaf(x):
-    # Stock device_put refuses every foreign array with TypeError.
-    hit = _foreign(x, None, TypeError, cai_first=False)
+    # Stock device_put refuses every array of another library with TypeError.
+    hit = _peer_array(x, None, TypeError, cai_first=False)
     if hit is None:
         return x
     view, copied = hit
     # 64-bit data in 32-bit mode narrows, as device_put does for NumPy.
-    return _imports.finish(view, copied)
+    return _view.finish(view, copied)
 
 
 def _own_copy(leaf):
@@ -298,9 +299,9 @@ def _device_put(orig):
         t = type(x)
         if t in _JAX_NATIVE and t is not list and t is not tuple:
             return orig(x, *args, **kwargs)
-        # Pytrees of foreign arrays too: each leaf becomes a zero-copy view,
+        # Pytrees of peer arrays too: each leaf becomes a zero-copy view,
         # then JAX places the tree (an alias where it already is).  A lone
-        # foreign array skips the tree walk.
+        # peer array skips the tree walk.
         if t is not list and t is not tuple and t is not dict:
             view = _leaf(x)
             if view is not x:
@@ -354,7 +355,7 @@ def _from_dlpack(orig):
         if not ours:
             return orig(external_array, device, copy)
         device = _stock_device(external_array, device, copy)
-        return _dlpack.from_dlpack(external_array, device=device, copy=copy)
+        return _route.from_dlpack(external_array, device=device, copy=copy)
     return from_dlpack
 
 
@@ -365,7 +366,7 @@ def _jnp_from_dlpack(orig):
         if not ours:
             return orig(x, device=device, copy=copy)
         device = _stock_device(x, device, copy)
-        return _dlpack.from_dlpack(x, device=device, copy=copy)
+        return _route.from_dlpack(x, device=device, copy=copy)
     return from_dlpack
 
 
@@ -373,7 +374,7 @@ def _method(ours, stock):
     """Our export for CPU and CUDA arrays; JAX's own for any other platform."""
     @functools.wraps(stock)
     def method(self, *args, **kwargs):
-        if _exports.ours(self):
+        if _dlpack.ours(self):
             return ours(self, *args, **kwargs)
         return stock(self, *args, **kwargs)
     return method
@@ -386,9 +387,9 @@ def _targets():
         (jnp, "from_dlpack", _jnp_from_dlpack),
         (jax.dlpack, "from_dlpack", _from_dlpack),
         (jax, "device_put", _device_put),
-        (rt.ArrayImpl, "__cuda_array_interface__", lambda orig: _exports.cai_property),
-        (rt.ArrayImpl, "__dlpack__", lambda orig: _method(_exports.to_dlpack, orig)),
-        (rt.ArrayImpl, "__dlpack_device__", lambda orig: _method(_exports.dlpack_device, orig)),
+        (rt.ArrayImpl, "__cuda_array_interface__", lambda orig: _cai.cai_property),
+        (rt.ArrayImpl, "__dlpack__", lambda orig: _method(_dlpack.to_dlpack, orig)),
+        (rt.ArrayImpl, "__dlpack_device__", lambda orig: _method(_dlpack.dlpack_device, orig)),
     ]
 
 

@@ -1,9 +1,11 @@
-"""What the import and export paths need from JAX: devices, their streams,
-the one jaxlib entry point that turns a DLPack capsule into an array."""
+"""Room: what the import and export paths need from JAX (devices, their
+streams, layouts, the one jaxlib entry point that turns a DLPack capsule
+into an array), and what the running jaxlib does natively."""
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import jax
 from jax._src import dtypes as _dtypes
@@ -211,3 +213,68 @@ def addressable_devices(sharding) -> tuple:
 
 def memory_sharding(device, kind: str):
     return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+
+
+# Exports ----------------------------------------------------------------
+
+# Where the whole-array protocols send a sharded array.
+PER_SHARD = ("jax_overlay.to_shards(x) gives each addressable shard's device, "
+             "index and data, a single-device array (x.addressable_shards[i].data): "
+             "shard.data")
+
+
+def check_live(x):
+    """TypeError for anything but a concrete jax.Array, BufferError for a
+    deleted or donated one: what every export checks first."""
+    if not isinstance(x, ArrayImpl):
+        raise TypeError(f"expected a jax.Array, got {type(x).__module__}.{type(x).__qualname__}")
+    if x.is_deleted():
+        raise BufferError(
+            "the JAX array was deleted or donated: its buffer is gone, so there "
+            "is nothing to export")
+
+
+_layout_strides: dict[tuple, tuple | None] = {}
+_row_major_layouts: dict[int, object] = {}
+
+
+def byte_strides(x, itemsize):
+    """Byte strides for the array's layout, or None when it is row-major.
+    The common case is one comparison with a cached row-major layout."""
+    layout = getattr(x, "_pjrt_layout", None)
+    ndim = len(x.shape)
+    if layout is not None:
+        known = _row_major_layouts.get(ndim)
+        if known is not None and known == layout:
+            return None
+    if layout is None:  # older jaxlib: go through the public Format
+        minor_to_major = list(reversed(x.format.layout.major_to_minor))
+    else:
+        text = str(layout).strip("{}").split(":")[0]
+        minor_to_major = [int(d) for d in text.split(",")] if text else []
+    if minor_to_major == list(reversed(range(ndim))):
+        if layout is not None:
+            _row_major_layouts[ndim] = layout
+        return None
+    key = (tuple(minor_to_major), x.shape, itemsize)
+    out = _layout_strides.get(key)
+    if out is None:
+        strides = [0] * ndim
+        acc = itemsize
+        for d in minor_to_major:
+            strides[d] = acc
+            acc *= x.shape[d]
+        out = _layout_strides[key] = tuple(strides)
+    return out
+
+
+def remember(x, facts, table: dict[int, tuple]) -> None:
+    """Keeps `facts` of the live array `x` in `table`, keyed by id(x); the
+    weak reference's callback drops the entry when the array dies, before
+    its id can be reused."""
+    key = id(x)
+    try:
+        ref = weakref.ref(x, lambda _: table.pop(key, None))
+    except TypeError:  # an ArrayImpl without weak references: no cache
+        return
+    table[key] = (ref, facts)

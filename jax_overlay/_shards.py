@@ -1,8 +1,8 @@
 """Sharded arrays and the interchange protocols, which describe one buffer
 each: per-shard export (to_shards) and zero-copy assembly of a global array
-from per-device foreign arrays (from_shards).  Both sit on the one import and
+from per-device arrays of other libraries (from_shards).  Both sit on the one import and
 export paths: a shard's ``data`` exports through ``__dlpack__`` /
-``__cuda_array_interface__``, and each foreign array is imported by the same
+``__cuda_array_interface__``, and each such array is imported by the same
 code as ``jax_overlay.from_dlpack`` / ``from_cuda_array_interface``."""
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from . import _dlpack
-from . import _exports
-from . import _imports
+from . import _route
 from . import _runtime as rt
+from . import _view
 
 
 class Shard(NamedTuple):
@@ -46,7 +45,7 @@ def to_shards(x: jax.Array) -> list[Shard]:
     after the computation that produced it.  Replicated arrays give one
     shard per device, each a full copy (``x.addressable_shards[i].replica_id``
     tells them apart)."""
-    _exports.check_live(x)
+    rt.check_live(x)
     return [Shard(s.device, s.index, s.data) for s in x.addressable_shards]
 
 
@@ -62,18 +61,18 @@ def _import(name, obj, device, copy):
             raise BufferError(
                 f"{name} is itself sharded over {n} devices; pass single-device "
                 "arrays (jax_overlay.to_shards(a) gives a sharded array's)")
-        return _imports.finish(obj, False, copy=copy)
+        return _view.finish(obj, False, copy=copy)
     # Host memory belongs to every CPU device: viewed on this position's
     # device when that is a CPU, else on the first CPU, where the placement
     # check below names the copy it needs.
     host = device if device.platform == "cpu" else rt.host_device()
-    hit = _dlpack.import_foreign(obj, copy, host)
+    hit = _route.import_peer(obj, copy, host)
     if hit is None:
         raise TypeError(
             f"{name} is a {_name(obj)}, which has neither __dlpack__ nor "
             "__cuda_array_interface__; pass PyTorch, CuPy, NumPy or other DLPack "
             "or CUDA Array Interface arrays, or single-device jax.Arrays")
-    return _imports.finish(*hit, copy=copy)
+    return _view.finish(*hit, copy=copy)
 
 
 def _check_place(name, arr, want, sharding, order, keyed):

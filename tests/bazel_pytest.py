@@ -29,14 +29,18 @@ def stage(src, suites):
     shutil.rmtree(dest, ignore_errors=True)
     pkg = dest / "jax_overlay"
     pkg.mkdir(parents=True)
-    for pattern in ("*.py", "*.pyi", "py.typed"):
-        for f in (src / "jax_overlay").glob(pattern):
-            shutil.copy(f, pkg)
+    for pattern in ("*.py", "*.pyi", "py.typed"):  # the subpackages too
+        for f in (src / "jax_overlay").rglob(pattern):
+            target = pkg / f.relative_to(src / "jax_overlay")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, target)
     shutil.copy(src / "xla_ext" / "_xla_ext.so", pkg / "_xla_ext.so")
     shutil.copy(src / "pyproject.toml", dest)  # pytest's markers and options
     (dest / "tests").mkdir()
-    shutil.copy(src / "tests" / "conftest.py", dest / "tests")
-    shutil.copy(src / "tests" / "dropin.py", dest / "tests")  # both suites' harness
+    # conftest.py and the suites' helpers (dropin.py, forge.py), which stay
+    # out of the wheel.
+    for f in (src / "tests").glob("*.py"):
+        shutil.copy(f, dest / "tests")
     for suite in suites:
         shutil.copytree(src / suite, dest / suite)
     if (src / "benchmarks").is_dir():  # the GPU suite runs the stress script

@@ -11,6 +11,12 @@ GPU_DIR = pathlib.Path(__file__).parent / "gpu"
 # and Numba producers the GPU suite runs beside it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# The tests' own helpers (forge.py, dropin.py) live here, outside the wheel:
+# subprocesses the tests start import them too.
+_HERE = str(pathlib.Path(__file__).parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _HERE])
+
 
 # .ci/run sets it where the suites run against the installed wheel: the run
 # stops at once unless `import jax_overlay` finds it in site-packages.

@@ -154,7 +154,7 @@ std::string DtypeToTypestr(const dl::DataType& dt) {
   return TypestrToDtype(ts, &check, &itemsize, &ignored) ? ts : "";
 }
 
-bool ParseCai(PyObject* cai, CaiSpec* out, Error* err) {
+bool ParseCai(PyObject* cai, ArrayView* out, Error* err) {
   if (!PyDict_Check(cai)) {
     return Fail(err, ErrorKind::kType,
                 "__cuda_array_interface__ must be a dict, got " +

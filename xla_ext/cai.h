@@ -16,7 +16,7 @@
 
 namespace jxo {
 
-struct CaiSpec {
+struct ArrayView {
   int version = 0;
   uintptr_t data = 0;
   bool read_only = false;
@@ -32,7 +32,7 @@ struct CaiSpec {
 
 // Parses `cai` into `out`.  On failure returns false and fills `err`.
 // Requires the GIL.
-bool ParseCai(PyObject* cai, CaiSpec* out, Error* err);
+bool ParseCai(PyObject* cai, ArrayView* out, Error* err);
 
 // Maps a NumPy type string to a DLPack dtype; shared with the exporter so
 // both directions agree on every code.

@@ -9,7 +9,7 @@
 
 namespace jxo {
 
-PyObject* ViewCapsule(const CaiSpec& v, PyObject* owner, int device_type,
+PyObject* ViewCapsule(const ArrayView& v, PyObject* owner, int device_type,
                       int device_id, bool versioned, uint64_t flags) {
   TensorDesc d;
   d.data = reinterpret_cast<void*>(v.data);
@@ -27,7 +27,7 @@ PyObject* ViewCapsule(const CaiSpec& v, PyObject* owner, int device_type,
 
 bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
                    Error* err) {
-  CaiSpec& v = out->view;
+  ArrayView& v = out->view;
   // Validation first: a malformed dict gets its real error on any machine.
   if (!ParseCai(cai, &v, err)) return false;
   if (v.layout.numel == 0) return true;  // nothing to view or order
@@ -74,7 +74,7 @@ bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
   return true;
 }
 
-bool DescribeTensor(const dl::Tensor& t, CaiSpec* out, Error* err) {
+bool DescribeTensor(const dl::Tensor& t, ArrayView* out, Error* err) {
   TensorGeometry g;
   if (!CheckTensor(t, &g, err)) return false;
   out->version = 0;

@@ -19,7 +19,7 @@ constexpr uintptr_t kGpuAlignment = 16;
 constexpr uintptr_t kHostAlignment = 16;
 
 struct ImportPlan {
-  CaiSpec view;
+  ArrayView view;
   int dl_device_type = 0;      // kDLCUDA, kDLCUDAHost or kDLCPU
   int ordinal = 0;
   uintptr_t range_start = 0;   // allocation start, when the driver knows it
@@ -30,7 +30,7 @@ struct ImportPlan {
 
 // A capsule viewing the array `v` describes, holding `owner` alive: the one
 // place a CAI view becomes a DLPack tensor.  nullptr + Python error on failure.
-PyObject* ViewCapsule(const CaiSpec& v, PyObject* owner, int device_type,
+PyObject* ViewCapsule(const ArrayView& v, PyObject* owner, int device_type,
                       int device_id, bool versioned = false,
                       uint64_t flags = 0);
 
@@ -42,10 +42,10 @@ bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
 // A DLPack tensor described the way the CAI path describes arrays (pointer
 // with byte_offset applied, shape, strides, dtype, layout), so both imports
 // share the view and copy code.  BufferError for what no consumer can read.
-bool DescribeTensor(const dl::Tensor& t, CaiSpec* out, Error* err);
+bool DescribeTensor(const dl::Tensor& t, ArrayView* out, Error* err);
 
 struct DlpackPlan {
-  CaiSpec view;
+  ArrayView view;
   bool versioned = false;
   uint32_t major = 0, minor = 0;
   uint64_t flags = 0;              // versioned capsules only

@@ -62,8 +62,8 @@ py::tuple Tuple(const std::vector<int64_t>& v) {
   return t;
 }
 
-CaiSpec Parse(py::handle cai) {
-  CaiSpec spec;
+ArrayView Parse(py::handle cai) {
+  ArrayView spec;
   Error err;
   if (!ParseCai(cai.ptr(), &spec, &err)) Raise(err);
   return spec;
@@ -119,6 +119,24 @@ py::object RawCapsule(py::handle owner, uintptr_t data,
   return Steal(NewOwnedCapsule(d, owner.ptr(), versioned));
 }
 
+// The import plans as Python sees them: named fields, the capsule an object.
+struct CaiPlan {
+  py::object capsule = py::none();
+  ArrayView view;
+  int device_type = 0;
+  int ordinal = 0;
+  uintptr_t range_start = 0;
+  uintptr_t alignment = 1;
+  bool busy = false;
+};
+
+struct DlpackImport {
+  py::object capsule = py::none();
+  ArrayView view;
+  int device_type = 0, device_id = 0;
+  uint64_t flags = 0;
+};
+
 }  // namespace
 }  // namespace jxo
 
@@ -127,37 +145,38 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.doc() = "jax_overlay native core: DLPack ownership, CAI parsing, CUDA "
             "driver access.";
 
-  py::class_<CaiSpec>(m, "CaiView",
-                      "A validated __cuda_array_interface__ dict.")
-      .def_readonly("version", &CaiSpec::version)
-      .def_readonly("data", &CaiSpec::data)
-      .def_readonly("read_only", &CaiSpec::read_only)
-      .def_readonly("typestr", &CaiSpec::typestr)
-      .def_readonly("itemsize", &CaiSpec::itemsize)
+  py::class_<ArrayView>(m, "ArrayView",
+                        "An array as either protocol describes it (a validated "
+                        "__cuda_array_interface__ dict, or a DLPack tensor).")
+      .def_readonly("version", &ArrayView::version)
+      .def_readonly("data", &ArrayView::data)
+      .def_readonly("read_only", &ArrayView::read_only)
+      .def_readonly("typestr", &ArrayView::typestr)
+      .def_readonly("itemsize", &ArrayView::itemsize)
       .def_property_readonly("shape",
-                             [](const CaiSpec& s) { return Tuple(s.shape); })
+                             [](const ArrayView& s) { return Tuple(s.shape); })
       .def_property_readonly(
           "dtype",
-          [](const CaiSpec& s) {
+          [](const ArrayView& s) {
             return py::make_tuple(s.dtype.code, s.dtype.bits, s.dtype.lanes);
           },
           "The DLPack (code, bits, lanes).")
       .def_property_readonly(
           "strides",
-          [](const CaiSpec& s) -> py::object {
+          [](const ArrayView& s) -> py::object {
             if (s.strides.empty() && !s.shape.empty()) return py::none();
             return Tuple(s.strides);
           },
           "Strides in elements, or None for row-major.")
       .def_property_readonly(
-          "layout", [](const CaiSpec& s) { return LayoutName(s.layout.kind); })
+          "layout", [](const ArrayView& s) { return LayoutName(s.layout.kind); })
       .def_property_readonly("numel",
-                             [](const CaiSpec& s) { return s.layout.numel; })
+                             [](const ArrayView& s) { return s.layout.numel; })
       .def_property_readonly("low",
-                             [](const CaiSpec& s) { return s.layout.low; })
+                             [](const ArrayView& s) { return s.layout.low; })
       .def_property_readonly("span",
-                             [](const CaiSpec& s) { return s.layout.span; })
-      .def_property_readonly("stream", [](const CaiSpec& s) -> py::object {
+                             [](const ArrayView& s) { return s.layout.span; })
+      .def_property_readonly("stream", [](const ArrayView& s) -> py::object {
         if (!s.has_stream) return py::none();
         return py::int_(s.stream);
       });
@@ -165,6 +184,20 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.def("parse_cai", &Parse, py::arg("cai"),
         "Validates a __cuda_array_interface__ dict; raises TypeError, "
         "ValueError or BufferError naming the bad field.");
+
+  py::class_<CaiPlan>(m, "CaiPlan", "What plan_cai_import found.")
+      .def_readonly("capsule", &CaiPlan::capsule,
+                    "A zero-copy capsule, or None: a copy is needed.")
+      .def_readonly("view", &CaiPlan::view)
+      .def_readonly("device_type", &CaiPlan::device_type,
+                    "kDLCUDA, kDLCUDAHost or kDLCPU.")
+      .def_readonly("ordinal", &CaiPlan::ordinal)
+      .def_readonly("range_start", &CaiPlan::range_start,
+                    "The allocation's start, when the driver knows it (else 0).")
+      .def_readonly("alignment", &CaiPlan::alignment,
+                    "What a zero-copy view needs of the pointer.")
+      .def_readonly("busy", &CaiPlan::busy,
+                    "The v3 stream still has work enqueued.");
 
   m.def(
       "plan_cai_import",
@@ -175,19 +208,31 @@ PYBIND11_MODULE(_xla_ext, m) {
         if (!PlanCaiImport(cai.ptr(), owner.ptr(), host, &plan, &err)) {
           Raise(err);
         }
-        py::object capsule = plan.capsule
-                                 ? py::reinterpret_steal<py::object>(plan.capsule)
-                                 : py::none();
-        return py::make_tuple(capsule, std::move(plan.view),
-                              plan.dl_device_type, plan.ordinal,
-                              plan.range_start, plan.alignment,
-                              plan.producer_busy);
+        CaiPlan out;
+        // The plan's capsule is a new reference: the object takes it over.
+        if (plan.capsule) out.capsule = py::reinterpret_steal<py::object>(plan.capsule);
+        out.view = std::move(plan.view);
+        out.device_type = plan.dl_device_type;
+        out.ordinal = plan.ordinal;
+        out.range_start = plan.range_start;
+        out.alignment = plan.alignment;
+        out.busy = plan.producer_busy;
+        return out;
       },
       py::arg("cai"), py::arg("owner"), py::arg("host") = false,
-      "(capsule or None, view, dl_device_type, ordinal, range_start, "
-      "alignment, producer_busy): validate, locate, and build the zero-copy "
-      "capsule when a view is possible.  host=True treats the pointer as "
-      "host memory (tests).");
+      "Validate, locate, and build the zero-copy capsule when a view is "
+      "possible (a CaiPlan).  host=True treats the pointer as host memory "
+      "(tests).");
+
+  py::class_<DlpackImport>(m, "DlpackPlan", "What plan_dlpack_import found.")
+      .def_readonly("capsule", &DlpackImport::capsule,
+                    "A legacy capsule jaxlib reads.")
+      .def_readonly("view", &DlpackImport::view)
+      .def_readonly("device_type", &DlpackImport::device_type,
+                    "As the capsule says.")
+      .def_readonly("device_id", &DlpackImport::device_id)
+      .def_readonly("flags", &DlpackImport::flags,
+                    "0 for legacy capsules.");
 
   m.def(
       "plan_dlpack_import",
@@ -196,19 +241,22 @@ PYBIND11_MODULE(_xla_ext, m) {
         DlpackPlan plan;
         Error err;
         if (!PlanDlpackImport(capsule.ptr(), &plan, &err)) Raise(err);
-        py::object legacy = py::reinterpret_steal<py::object>(plan.capsule);
-        return py::make_tuple(legacy, std::move(plan.view), plan.device_type,
-                              plan.device_id, plan.flags);
+        DlpackImport out;
+        out.capsule = py::reinterpret_steal<py::object>(plan.capsule);
+        out.view = std::move(plan.view);
+        out.device_type = plan.device_type;
+        out.device_id = plan.device_id;
+        out.flags = plan.flags;
+        return out;
       },
       py::arg("capsule"),
-      "(legacy capsule, view, device_type, device_id, flags): inspect a "
-      "producer's capsule and make it one jaxlib reads.  BufferError for a "
-      "consumed capsule, a newer major version (released first) or a tensor "
-      "no consumer can read; flags are 0 for legacy capsules.");
+      "Inspect a producer's capsule and make it one jaxlib reads (a "
+      "DlpackPlan).  BufferError for a consumed capsule, a newer major "
+      "version (released first) or a tensor no consumer can read.");
 
   m.def(
       "capsule_from_cai",
-      [](const CaiSpec& s, py::handle owner, int device_type, int device_id,
+      [](const ArrayView& s, py::handle owner, int device_type, int device_id,
          bool versioned, uint64_t flags) {
         return Steal(ViewCapsule(s, owner.ptr(), device_type, device_id,
                                  versioned, flags));
@@ -258,7 +306,7 @@ PYBIND11_MODULE(_xla_ext, m) {
         CapsuleView v;
         if (!InspectCapsule(capsule.ptr(), &v)) throw py::error_already_set();
         const dl::Tensor& t = *v.tensor;
-        CaiSpec d;
+        ArrayView d;
         Error err;
         if (!DescribeTensor(t, &d, &err)) Raise(err);
         py::object version = py::none();
@@ -318,19 +366,26 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.def("driver_version", &cuda::DriverVersion);
   m.def("device_count", &cuda::DeviceCount);
 
+  py::class_<cuda::PointerInfo>(m, "PointerInfo",
+                                "What the driver says of a pointer.")
+      .def_property_readonly(
+          "kind", [](const cuda::PointerInfo& i) { return KindName(i.kind); },
+          "device, pinned_host, managed or not_cuda.")
+      .def_readonly("ordinal", &cuda::PointerInfo::ordinal)
+      .def_readonly("device_ptr", &cuda::PointerInfo::device_ptr)
+      .def_readonly("host_ptr", &cuda::PointerInfo::host_ptr)
+      .def_readonly("range_start", &cuda::PointerInfo::range_start)
+      .def_readonly("range_size", &cuda::PointerInfo::range_size);
+
   m.def(
       "pointer_info",
       [](uintptr_t ptr) {
         cuda::PointerInfo info;
         Error err;
         if (!cuda::QueryPointer(ptr, &info, &err)) Raise(err);
-        return py::make_tuple(KindName(info.kind), info.ordinal,
-                              info.device_ptr, info.host_ptr, info.range_start,
-                              info.range_size);
+        return info;
       },
-      py::arg("ptr"),
-      "(kind, ordinal, device_ptr, host_ptr, range_start, range_size) of a "
-      "pointer; kind is device, pinned_host, managed or not_cuda.");
+      py::arg("ptr"), "A PointerInfo of `ptr`.");
 
   m.def(
       "memory_kind",
@@ -484,6 +539,8 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.attr("DLPACK_VERSION") = py::make_tuple(dl::kMajorVersion, dl::kMinorVersion);
   m.attr("FLAG_READ_ONLY") = dl::kFlagReadOnly;
   m.attr("FLAG_IS_COPIED") = dl::kFlagIsCopied;
+  // The one statement of the rule; Python reads it from here.
+  m.attr("GPU_ALIGNMENT") = kGpuAlignment;
 
   // What this module was built from, compared at import with the Python
   // package and the running jaxlib (jax_overlay/_native.py).

@@ -9,7 +9,7 @@
 
 #include "tests/cc/check.h"
 
-using jxo::CaiSpec;
+using jxo::ArrayView;
 using jxo::Error;
 using jxo::ErrorKind;
 using jxo::LayoutKind;
@@ -36,7 +36,7 @@ PyObject* Valid() {
 
 struct Result {
   bool ok;
-  CaiSpec spec;
+  ArrayView spec;
   Error err;
 };
 

@@ -2,7 +2,7 @@ import gc
 
 import pytest
 
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 

@@ -29,6 +29,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 import tempfile
 import traceback
 
@@ -39,7 +40,7 @@ import pytest
 import jax_overlay
 from jax_overlay import _dlpack
 from jax_overlay import _runtime as rt
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 KDLCPU, KDLCUDA = 1, 2
@@ -184,8 +185,10 @@ def cpus_as_gpus():
     real_plan = ext.plan_cai_import
 
     def plan(cai, owner, host):
-        cap, view, dl_type, _, start, alignment, busy = real_plan(cai, owner, True)
-        return cap, view, dl_type, owner.ordinal, start, alignment, busy
+        # The host plan, as if the pointer belonged to the producer's "GPU".
+        return types.SimpleNamespace(**{k: getattr(real_plan(cai, owner, True), k) for k in (
+            "capsule", "view", "device_type", "range_start", "alignment", "busy")},
+            ordinal=owner.ordinal)
 
     def on_device(ordinal, fn, *args):
         fake.switches.append(ordinal)
@@ -198,7 +201,9 @@ def cpus_as_gpus():
         mp.setattr(ext, "plan_cai_import", plan)
         mp.setattr(ext, "call_on_device", on_device)
         mp.setattr(ext, "device_count", lambda: len(cpus))
-        mp.setattr(ext, "pointer_info", lambda ptr: ("device", fake.owners[ptr], ptr, 0, ptr, 0))
+        mp.setattr(ext, "pointer_info", lambda ptr: types.SimpleNamespace(
+            kind="device", ordinal=fake.owners[ptr], device_ptr=ptr, host_ptr=0,
+            range_start=ptr, range_size=0))
         yield fake
 
 

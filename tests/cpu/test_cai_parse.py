@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jax_overlay import _runtime as rt
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 
@@ -151,7 +151,8 @@ def test_chained_legacy_chains_the_deleter(versioned):
 def test_interpreter_exit_with_live_capsules_and_arrays():
     code = textwrap.dedent("""
         import threading, numpy as np, jax
-        from jax_overlay import _testing as T, _runtime as rt
+        import forge as T
+        from jax_overlay import _runtime as rt
         keep = []
         for i in range(20):
             a = T.aligned_empty((8,), np.float32); a[:] = i
@@ -178,7 +179,9 @@ def test_plan_dlpack_import_hands_jaxlib_a_legacy_capsule(versioned):
     a = p.__cuda_array_interface__
     flags = ext.FLAG_IS_COPIED if versioned else 0
     cap = ext.raw_capsule(p, a["data"][0], [3, 4], None, "<i2", 1, 0, versioned, flags)
-    legacy, view, dl_type, dl_id, got_flags = ext.plan_dlpack_import(cap)
+    plan = ext.plan_dlpack_import(cap)
+    legacy, view, dl_type, dl_id, got_flags = (plan.capsule, plan.view, plan.device_type,
+                                               plan.device_id, plan.flags)
     assert ext.capsule_info(legacy)["versioned"] is False
     assert legacy is not cap  # ours, chained to the producer's (see gil_handoff.h)
     assert (view.shape, view.data, view.typestr, view.layout) == ((3, 4), a["data"][0], "<i2", "row_major")
@@ -191,7 +194,7 @@ def test_plan_dlpack_import_hands_jaxlib_a_legacy_capsule(versioned):
 def test_plan_dlpack_import_reports_strides_of_a_strided_tensor():
     p = fresh((4, 6), np.float32)
     cap = ext.raw_capsule(p, p.__cuda_array_interface__["data"][0], [2, 3], [12, 2], "<f4", 1, 0)
-    _, view, *_ = ext.plan_dlpack_import(cap)
+    view = ext.plan_dlpack_import(cap).view
     assert (view.layout, view.strides, view.numel) == ("strided", (12, 2), 6)
 
 

@@ -10,10 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jax_overlay
 from jax_overlay import _dlpack as D
-from jax_overlay import _exports as E
+from jax_overlay import _cai as C
+from jax_overlay import _dlpack as E
 from jax_overlay import _runtime as rt
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 CPU = jax.devices("cpu")[0]
@@ -75,7 +77,7 @@ def test_sub_byte_types_are_refused():
 
 def test_round_trip_through_our_import_is_zero_copy():
     x = on_cpu(jnp.arange(12.0).reshape(3, 4))
-    y = D.from_dlpack(E.to_dlpack(x, max_version=(1, 1)))
+    y = jax_overlay.from_dlpack(E.to_dlpack(x, max_version=(1, 1)))
     assert y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
 

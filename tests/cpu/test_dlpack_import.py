@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_overlay
 from jax_overlay import _dlpack as D
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 
@@ -45,32 +46,32 @@ class Producer:
 def test_read_only_numpy_is_a_view():
     a = aligned((3, 4))
     a.flags.writeable = False
-    x = D.from_dlpack(a)
+    x = jax_overlay.from_dlpack(a)
     assert x.unsafe_buffer_pointer() == a.ctypes.data
     np.testing.assert_array_equal(np.asarray(x), a)
 
 
 def test_asks_for_version_1_and_stream_none_on_cpu():
     p = Producer(aligned((4,)))
-    D.from_dlpack(p)
+    jax_overlay.from_dlpack(p)
     assert p.asked == [{"stream": None, "max_version": D.MAX_VERSION}]
-    x = D.from_dlpack(p, copy=True)  # JAX copies: the producer is not asked to
+    x = jax_overlay.from_dlpack(p, copy=True)  # JAX copies: the producer is not asked to
     assert "copy" not in p.asked[-1] and x.unsafe_buffer_pointer() != p.array.ctypes.data
-    D.from_dlpack(p, copy=False)
+    jax_overlay.from_dlpack(p, copy=False)
     assert p.asked[-1]["copy"] is False
 
 
 @pytest.mark.parametrize("versioned", [True, False])
 def test_our_capsules_both_kinds(versioned):
     a = aligned((2, 5))
-    x = D.from_dlpack(Producer(a, versioned=versioned))
+    x = jax_overlay.from_dlpack(Producer(a, versioned=versioned))
     assert x.unsafe_buffer_pointer() == a.ctypes.data
     np.testing.assert_array_equal(np.asarray(x), a)
 
 
 def test_legacy_producer_fallback():
     p = Producer(aligned((3,)), versioned=False, legacy_only=True)
-    x = D.from_dlpack(p)
+    x = jax_overlay.from_dlpack(p)
     np.testing.assert_array_equal(np.asarray(x), p.array)
 
 
@@ -78,24 +79,24 @@ def test_legacy_producer_fallback():
                                    np.float16, np.float32, np.complex64])
 def test_dtypes_from_numpy(dtype):
     a = aligned((6,), dtype)
-    x = D.from_dlpack(a)
+    x = jax_overlay.from_dlpack(a)
     assert x.dtype == a.dtype
     np.testing.assert_array_equal(np.asarray(x), a)
 
 
 def test_bfloat16_from_a_jax_producer():
     src = jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), jax.devices("cpu")[0])
-    x = D.from_dlpack(src)
+    x = jax_overlay.from_dlpack(src)
     assert x.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(x), np.asarray(src))
 
 
 def test_x64_follows_jax():
     a = aligned((4,), np.int64)
-    assert D.from_dlpack(a).dtype == jnp.int32
+    assert jax_overlay.from_dlpack(a).dtype == jnp.int32
     jax.config.update("jax_enable_x64", True)
     try:
-        x = D.from_dlpack(a)
+        x = jax_overlay.from_dlpack(a)
         assert x.dtype == jnp.int64 and x.unsafe_buffer_pointer() == a.ctypes.data
     finally:
         jax.config.update("jax_enable_x64", False)
@@ -105,37 +106,37 @@ def test_x64_follows_jax():
                                   lambda a: a[:, ::-3], lambda a: a.T[1:]])
 def test_strided_numpy_is_one_copy(view):
     v = view(aligned((6, 7)))
-    x = D.from_dlpack(v)
+    x = jax_overlay.from_dlpack(v)
     np.testing.assert_array_equal(np.asarray(x), v)
     with pytest.raises(BufferError, match="without a copy"):
-        D.from_dlpack(view(aligned((6, 7))), copy=False)
+        jax_overlay.from_dlpack(view(aligned((6, 7))), copy=False)
 
 
 def test_zero_size_and_0d():
-    z = D.from_dlpack(np.empty((0, 3), np.float32))
+    z = jax_overlay.from_dlpack(np.empty((0, 3), np.float32))
     assert z.shape == (0, 3)
-    s = D.from_dlpack(np.array(2.5, np.float32))
+    s = jax_overlay.from_dlpack(np.array(2.5, np.float32))
     assert s.shape == () and float(s) == 2.5
 
 
 def test_raw_capsule_and_reuse():
     a = aligned((5,))
     cap = a.__dlpack__()
-    x = D.from_dlpack(cap)
+    x = jax_overlay.from_dlpack(cap)
     np.testing.assert_array_equal(np.asarray(x), a)
     with pytest.raises(BufferError, match="already consumed"):
-        D.from_dlpack(cap)
+        jax_overlay.from_dlpack(cap)
 
 
 def test_not_a_producer():
     with pytest.raises(TypeError, match="has no __dlpack__"):
-        D.from_dlpack([1, 2, 3])
+        jax_overlay.from_dlpack([1, 2, 3])
 
 
 @pytest.mark.parametrize("dl_type", [4, 7, 10, 14])
 def test_unsupported_device_type(dl_type):
     with pytest.raises(BufferError, match=f"device type {dl_type}"):
-        D.from_dlpack(Producer(aligned((2,)), device=(dl_type, 0)))
+        jax_overlay.from_dlpack(Producer(aligned((2,)), device=(dl_type, 0)))
 
 
 def test_newer_major_version_is_released_and_refused():
@@ -148,7 +149,7 @@ def test_newer_major_version_is_released_and_refused():
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     ctypes.c_uint32.from_address(get(cap, b"dltensor_versioned")).value = 2
     with pytest.raises(BufferError, match="DLPack 2.1"):
-        D.from_dlpack(cap)
+        jax_overlay.from_dlpack(cap)
     gc.collect()
     assert ref() is None, "a refused tensor must still be freed"
 
@@ -157,7 +158,7 @@ def test_newer_major_version_is_released_and_refused():
 def test_tensor_owner_lives_until_jax_frees_the_buffer(versioned):
     a = aligned((16,))
     p = Producer(a, versioned=versioned)
-    x = D.from_dlpack(p)
+    x = jax_overlay.from_dlpack(p)
     owner = p.owner
     del p
     gc.collect()
@@ -172,7 +173,7 @@ def test_tensor_owner_lives_until_jax_frees_the_buffer(versioned):
 
 def test_strided_copy_releases_the_tensor():
     p = Producer(aligned((8, 8))[::2, ::3])
-    x = D.from_dlpack(p)
+    x = jax_overlay.from_dlpack(p)
     x.block_until_ready()
     # XLA's thread drops the copy's source just after the copy is ready.
     T.settle(lambda: p.owner() is None, "the copy's source was not released")
@@ -181,10 +182,10 @@ def test_strided_copy_releases_the_tensor():
 
 def test_copy_and_device_rules():
     a = aligned((8,))
-    x = D.from_dlpack(a, copy=True)
+    x = jax_overlay.from_dlpack(a, copy=True)
     assert x.unsafe_buffer_pointer() != a.ctypes.data
     np.testing.assert_array_equal(np.asarray(x), a)
-    y = D.from_dlpack(a, device=jax.devices("cpu")[0], copy=False)
+    y = jax_overlay.from_dlpack(a, device=jax.devices("cpu")[0], copy=False)
     assert y.unsafe_buffer_pointer() == a.ctypes.data
 
 
@@ -192,7 +193,7 @@ def test_unaligned_cpu_memory_with_copy_false():
     raw = T.aligned_empty((80,), np.uint8)
     v = raw[4:68].view(np.float32)  # 4-byte aligned only
     v[...] = np.arange(16)
-    x = D.from_dlpack(v)  # jaxlib copies unaligned host memory itself
+    x = jax_overlay.from_dlpack(v)  # jaxlib copies unaligned host memory itself
     np.testing.assert_array_equal(np.asarray(x), np.arange(16))
 
 
@@ -221,7 +222,7 @@ def test_tensors_no_consumer_can_read_are_refused(case):
     words = {"null": "null data pointer", "offset_wraps": "byte_offset",
              "past_top": "past the top", "bytes_overflow": "overflows int64"}[case]
     with pytest.raises(BufferError, match=words):
-        D.from_dlpack(cap)
+        jax_overlay.from_dlpack(cap)
 
 
 @pytest.mark.parametrize("dtype,why", [
@@ -238,7 +239,7 @@ def test_dtypes_jax_cannot_hold_are_buffer_errors(dtype, why):
     del owner
     code, bits, lanes = dtype
     with pytest.raises(BufferError, match=f"code {code}, bits {bits}, lanes {lanes}.*{why}"):
-        D.from_dlpack(cap)
+        jax_overlay.from_dlpack(cap)
     del cap
     gc.collect()
     assert ref() is None, "the refused tensor must be freed"
@@ -248,7 +249,7 @@ def test_dtypes_jax_cannot_hold_are_buffer_errors(dtype, why):
 def test_zero_size_of_non_numpy_dtypes(dtype):
     """Found by fuzzing: 'a zero-size array of this dtype cannot be imported'."""
     src = jax.device_put(jnp.zeros((0, 3), dtype), jax.devices("cpu")[0])
-    x = D.from_dlpack(src)
+    x = jax_overlay.from_dlpack(src)
     assert x.shape == (0, 3) and x.dtype == dtype
 
 
@@ -258,7 +259,7 @@ def test_malformed_dlpack_device_is_a_clear_type_error(device):
     "'NoneType' object is not iterable", or (1.5, 0) was read as (1, 0)."""
     p = Producer(aligned((3,)), device=device)
     with pytest.raises(TypeError, match=r"__dlpack_device__\(\) returned .*\(device_type: int"):
-        D.from_dlpack(p)
+        jax_overlay.from_dlpack(p)
     assert p.asked == [], "no capsule may be asked for"
 
 
@@ -270,7 +271,7 @@ def test_dlpack_device_accepts_int_enums():
         kDLCPU = 1
 
     p = Producer(aligned((3,)), device=(DLDeviceType.kDLCPU, np.int64(0)))
-    np.testing.assert_array_equal(np.asarray(D.from_dlpack(p)), p.array)
+    np.testing.assert_array_equal(np.asarray(jax_overlay.from_dlpack(p)), p.array)
 
 
 @pytest.mark.parametrize("dtype,code", [(jnp.bfloat16, (4, 16, 1)),
@@ -290,7 +291,7 @@ def test_strided_bfloat16_and_float8_are_one_copy(dtype, code, view):
         v = raw[1:17].view(dtype)
         ptr, strides = v.ctypes.data, None
     cap = ext.raw_capsule(raw, ptr, list(v.shape), strides, code, 1, 0)
-    x = D.from_dlpack(cap)
+    x = jax_overlay.from_dlpack(cap)
     assert x.dtype == dtype and x.shape == v.shape
     assert np.asarray(x).tobytes() == np.ascontiguousarray(v).tobytes()
 
@@ -312,5 +313,5 @@ def test_strided_copy_keeps_every_bit(dtype, code):
     both = raw.view(np.dtype(f"u{k}")).reshape(n, 2)
     both[:, 0] = patterns.view(np.dtype(f"u{k}"))  # every other element
     cap = ext.raw_capsule(raw, raw.ctypes.data, [n], [2], code, 1, 0)
-    x = D.from_dlpack(cap)
+    x = jax_overlay.from_dlpack(cap)
     assert np.asarray(x).tobytes() == patterns.tobytes()

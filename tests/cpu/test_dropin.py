@@ -17,7 +17,7 @@ import dropin as D
 import jax_overlay
 from multidevice import check, on, params
 from jax_overlay import _runtime as rt
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 
@@ -212,7 +212,7 @@ def test_numpy_arrays_with_a_cai_take_the_route_stock_takes(monkeypatch, call, v
     dead producer's pages fail once Numba frees them); where stock reads
     it as the NumPy array it is (jnp.array's fast paths, device_put,
     from_dlpack), so does the overlay."""
-    from jax_overlay import _imports
+    from jax_overlay import _cai, _view, peers
     owners = []
 
     def import_cai(owner, cai, copy=None):
@@ -220,7 +220,7 @@ def test_numpy_arrays_with_a_cai_take_the_route_stock_takes(monkeypatch, call, v
         owners.append(owner)
         return jax.device_put(np.asarray(owner), _CPU0), False
 
-    monkeypatch.setattr(_imports, "import_cai", import_cai)
+    monkeypatch.setattr(_cai, "import_cai", import_cai)
     x = np.arange(12, dtype=np.float32).reshape(3, 4).view(NDArrayCAI)
     xs = x.view(NDArrayCAIStream)
     jax_overlay.install()

@@ -16,7 +16,7 @@ import pytest
 import dropin
 import jax_overlay
 from jax_overlay import _runtime as rt
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 from multidevice import HostDLPack, aligned, check, installed, on, params
 
@@ -218,7 +218,7 @@ def test_native_dlpack_is_read_from_the_running_jaxlib():
     assert rt.NATIVE_DLPACK_1 == (tuple(stock.DLPACK_VERSION) >= (1, 0))
     x = jnp.arange(3.0)
     with installed():
-        ours = jax_overlay._exports.ours(x)
+        ours = jax_overlay._dlpack.ours(x)
     assert ours is not rt.NATIVE_DLPACK_1
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import dropin as D  # noqa: E402
 import jax_overlay  # noqa: E402
-from jax_overlay import _imports  # noqa: E402
+from jax_overlay import _cai, _view, peers  # noqa: E402
 from jax_overlay import _runtime as rt  # noqa: E402
 from jax_overlay.errors import CopyRequiredError  # noqa: E402
 from test_dropin import _coords  # noqa: E402
@@ -134,10 +134,10 @@ def test_negative_views_torch_cannot_negate_are_refused(dtype):
     alike); a CUDA tensor's does not, and reaches this refusal."""
     t = torch._neg_view(torch.ones(3, dtype=getattr(torch, dtype)))
     with pytest.raises(BufferError, match="cannot resolve") as e:
-        _imports.resolve_lazy(t, None)
+        peers.resolve(t, None)
     assert isinstance(e.value, jax.errors.JaxRuntimeError)
     plain = torch.ones(3)
-    assert _imports.resolve_lazy(plain, None) == (plain, False)
+    assert peers.resolve(plain, None) == (plain, False)
 
 
 def test_the_truth_sees_the_bits():

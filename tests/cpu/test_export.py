@@ -13,9 +13,9 @@ import pytest
 
 import jax_overlay
 from jax_overlay import _config
-from jax_overlay import _exports
+from jax_overlay import _cai, _dlpack
 from jax_overlay import _runtime as rt
-from jax_overlay import _testing as T
+import forge as T
 
 
 CPU = jax.devices("cpu")[0]
@@ -27,7 +27,7 @@ def on_cpu(x):
 
 @pytest.fixture
 def host(monkeypatch):
-    monkeypatch.setattr(_exports, "_allow_host", True)
+    monkeypatch.setattr(_cai, "_allow_host", True)
 
 
 @pytest.fixture
@@ -174,7 +174,7 @@ def test_not_a_jax_array():
 def test_install_replaces_and_uninstall_restores_the_property():
     orig = rt.ArrayImpl.__dict__["__cuda_array_interface__"]
     jax_overlay.install()
-    assert rt.ArrayImpl.__dict__["__cuda_array_interface__"] is _exports.cai_property
+    assert rt.ArrayImpl.__dict__["__cuda_array_interface__"] is _cai.cai_property
     jax_overlay.uninstall()
     assert rt.ArrayImpl.__dict__["__cuda_array_interface__"] is orig
 
@@ -184,8 +184,8 @@ def test_sharded_arrays_point_to_shards():
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
         import jax_overlay
-        from jax_overlay import _exports
-        _exports._allow_host = True
+        from jax_overlay import _cai, _dlpack
+        _cai._allow_host = True
         mesh = jax.make_mesh((2,), ("x",))
         x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
         try:
@@ -211,16 +211,16 @@ def test_kept_facts_go_with_the_array():
     an entry whose reference points elsewhere is never used."""
     x = jnp.arange(3.0) + 0
     key = id(x)
-    _exports._remember(x, ("facts",))
-    assert _exports._ready_facts[key][1] == ("facts",)
+    rt.remember(x, ("facts",), _cai._ready_facts)
+    assert _cai._ready_facts[key][1] == ("facts",)
     del x
-    assert key not in _exports._ready_facts
+    assert key not in _cai._ready_facts
     y = jnp.arange(3.0) + 0
     z = jnp.arange(3.0) + 0
-    _exports._remember(z, (12345, "<f4", (3,), None))
+    rt.remember(z, (12345, "<f4", (3,), None), _cai._ready_facts)
     # y under z's key: the reference check turns the forged entry away.
-    _exports._ready_facts[id(y)] = _exports._ready_facts.pop(id(z))
+    _cai._ready_facts[id(y)] = _cai._ready_facts.pop(id(z))
     with pytest.raises(AttributeError, match="only defined for NVidia GPU buffers"):
-        _exports.cuda_array_interface(y)
-    _exports._ready_facts.pop(id(y), None)
+        _cai.cuda_array_interface(y)
+    _cai._ready_facts.pop(id(y), None)
     del z

@@ -372,13 +372,13 @@ def test_gpu_frameworks_refuse_cpu_arrays_before_importing_anything(name):
 def test_numpy_refuses_gpu_buffers_under_jit(monkeypatch):
     """A traced input's placement is only known in the call: the buffers'
     DLPack device, checked there (here a CPU buffer posing as a GPU one)."""
-    from jax_overlay import _foreign
+    from jax_overlay import _foreign, peers
 
     class Gpu:
         def __dlpack_device__(self):
             return (2, 0)
     with pytest.raises(_foreign.ForeignError, match="framework='numpy' runs on host buffers"):
-        _foreign._NumPy().ordinal([Gpu()])
+        peers.numpy.PEER.adapter().ordinal([Gpu()])
 
 
 @pytest.mark.parametrize("name", ["torch", "cupy", "numba"])

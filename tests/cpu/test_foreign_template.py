@@ -1,4 +1,4 @@
-"""The GPU frameworks' shared template (`_foreign_gpu._Gpu`) on the CPU: a
+"""The GPU frameworks' shared template (`peers._base.GpuAdapter`) on the CPU: a
 stand-in framework whose arrays are NumPy arrays over XLA's host buffers
 runs through the real path (`foreign`, `buffer_callback`, the callback, the
 template's views, tokens, stream wrappers and output checks), so what the
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import jax_overlay
-from jax_overlay import _foreign, _foreign_gpu
+from jax_overlay import _foreign
+from jax_overlay.peers import _base
 
 CPU = jax.devices("cpu")[0]
 
@@ -31,7 +32,7 @@ class _Holder:
                                     "typestr": dtype.str, "version": 3}
 
 
-class Host(_foreign_gpu._Gpu):
+class Host(_base.GpuAdapter):
     name, array_type = "host", "numpy.ndarray"
 
     def __init__(self):
@@ -178,7 +179,7 @@ class _Buf:
 
 
 def test_ordinal_takes_one_cuda_device():
-    gpu = _foreign_gpu._Gpu()
+    gpu = _base.GpuAdapter()
     gpu.name = "torch"
     assert gpu.ordinal((_Buf(2, 1), _Buf(2, 1))) == 1
     assert gpu.ordinal(()) == 0
@@ -191,7 +192,7 @@ def test_ordinal_takes_one_cuda_device():
     (1, r"buffer 1 of this call is in DLPack device 1 .*framework='numpy'"),
 ])
 def test_ordinal_refuses_host_buffers_with_what_to_do(kind, words):
-    gpu = _foreign_gpu._Gpu()
+    gpu = _base.GpuAdapter()
     gpu.name = "torch"
     with pytest.raises(_foreign.ForeignError, match=words):
         gpu.ordinal((_Buf(2, 0), _Buf(kind, 0)))

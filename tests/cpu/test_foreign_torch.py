@@ -2,7 +2,7 @@
 code on CPU-tensor views of XLA's host buffers inside jit, eagerly, under
 vmap and under grad (PyTorch's autograd as the vjp), with out=True, pytrees,
 dtypes, 0-d and zero-size arrays, kept views, wrong outputs, exceptions and
-threads.  The adapter is the one the GPU runs (_foreign_gpu._Torch), less
+threads.  The adapter is the one the GPU runs (peers.torch.Foreign), less
 the stream.  Skipped without PyTorch: CI installs its CPU build in the jax
 0.10.1 environment (.ci/run)."""
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
 import jax_overlay  # noqa: E402
-from jax_overlay import _foreign  # noqa: E402
+from jax_overlay import _foreign, peers  # noqa: E402
 from jax_overlay import _runtime as rt  # noqa: E402
 
 CPU = jax.devices("cpu")[0]
@@ -262,7 +262,7 @@ def test_eight_threads_at_once():
 
 
 def test_adapter_is_the_gpus():
-    assert type(_foreign._adapter("torch")).__name__ == "_Torch"
+    assert type(_foreign._adapter("torch")) is peers.torch.Foreign
 
 
 def test_autograd_through_a_scan():

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import fuzzing as F  # noqa: E402
 from fuzzing import fuzz_report, x64  # noqa: E402,F401  (module fixtures)
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 MISSING = object()

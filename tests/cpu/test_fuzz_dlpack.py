@@ -1,6 +1,6 @@
 """Property-based fuzzing of DLPack import and export (hypothesis).
 
-Import: capsules are forged field by field with ctypes (jax_overlay._testing.
+Import: capsules are forged field by field with ctypes (tests/forge.py
 forge_capsule), so every field a buggy producer controls can be wrong:
 capsule name, version, flags, device, ndim, shape, strides, dtype code / bits
 (sub-byte too) / lanes, data pointer, byte_offset, sizes that overflow int64.
@@ -28,10 +28,12 @@ from hypothesis import strategies as st
 
 import fuzzing as F  # noqa: E402
 from fuzzing import fuzz_report, x64  # noqa: E402,F401  (module fixtures)
+import jax_overlay
 from jax_overlay import _dlpack as D
-from jax_overlay import _exports as E
+from jax_overlay import _cai as C
+from jax_overlay import _dlpack as E
 from jax_overlay import _runtime as rt
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 CPU = jax.devices("cpu")[0]
@@ -288,7 +290,7 @@ def run_forged(c, buf, copy, make_input, prop, advertised=None):
     cap, key = forge(c, buf)
     x = make_input(cap)
     del cap
-    outcome = F.check_outcome(lambda: D.from_dlpack(x, copy=copy), v, words,
+    outcome = F.check_outcome(lambda: jax_overlay.from_dlpack(x, copy=copy), v, words,
                               check_array=check)
     del x
     T.settle(lambda: T.forged_deletes.get(key) == 1 and ext.live_tensors() == live,
@@ -399,10 +401,10 @@ def test_import_any_producer(data, x64):
     del cap
     if kind == "raises":
         with pytest.raises(RuntimeError, match="producer failure"):
-            D.from_dlpack(producer, copy=copy)
+            jax_overlay.from_dlpack(producer, copy=copy)
         outcome = "RuntimeError"
     else:
-        outcome = F.check_outcome(lambda: D.from_dlpack(producer, copy=copy), "bad", words,
+        outcome = F.check_outcome(lambda: jax_overlay.from_dlpack(producer, copy=copy), "bad", words,
                                   check_array=lambda a: False)
     del producer
     T.settle(lambda: T.forged_deletes.get(key) == 1 and ext.live_tensors() == live,
@@ -474,7 +476,7 @@ def test_export_any_request(data, x64):
     def run():
         cap = E.to_dlpack(x, **args)
         if np.dtype(dtype).kind == "V":
-            return np.asarray(D.from_dlpack(cap))  # NumPy has no such dtypes
+            return np.asarray(jax_overlay.from_dlpack(cap))  # NumPy has no such dtypes
         return np.from_dlpack(T.DLPackHolder(cap))
 
     def right(arr):

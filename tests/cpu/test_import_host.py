@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jax_overlay
-from jax_overlay import _imports
-from jax_overlay import _testing as T
+from jax_overlay import _cai, _view, peers
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,

@@ -1,6 +1,7 @@
 """install()/uninstall(): JAX's public API changes route only for CAI
 objects, keeps JAX's signatures and semantics, and is restored exactly."""
 
+import functools
 import inspect
 
 import jax
@@ -10,16 +11,16 @@ import pytest
 
 import dropin as D
 import jax_overlay
-from jax_overlay import _imports
+from jax_overlay import _cai, _view, peers
 from jax_overlay.errors import JaxRuntimeError
 from jax_overlay import _runtime as rt
-from jax_overlay import _testing as T
+import forge as T
 
 
 @pytest.fixture
 def routed(monkeypatch):
     """install(), with host memory located so the routed path runs on CPU."""
-    monkeypatch.setattr(_imports, "_host_memory", True)
+    monkeypatch.setattr(_cai, "import_cai", functools.partial(_cai.import_cai, host=True))
     jax_overlay.install()
     yield
     jax_overlay.uninstall()

@@ -2,6 +2,7 @@
 JAX's semantics, exact restore.  GPU producers are played by host memory
 whose device lookups are pointed at the CPU device."""
 
+import functools
 import collections
 import gc
 import inspect
@@ -14,10 +15,11 @@ import numpy as np
 import pytest
 
 import jax_overlay
-from jax_overlay import _exports as E
+from jax_overlay import _cai as C
+from jax_overlay import _dlpack as E
 from jax_overlay import _dlpack
 from jax_overlay import _runtime as rt
-from jax_overlay import _testing as T
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 CPU = jax.devices("cpu")[0]
@@ -141,8 +143,8 @@ def test_gpu_dlpack_object_is_preferred_over_its_cai(installed, gpu_on_host):
 
 
 def test_cai_is_used_when_there_is_no_dlpack(installed, monkeypatch):
-    from jax_overlay import _imports
-    monkeypatch.setattr(_imports, "_host_memory", True)
+    from jax_overlay import _cai, _view, peers
+    monkeypatch.setattr(_cai, "import_cai", functools.partial(_cai.import_cai, host=True))
     a = data()
     x = jnp.asarray(CAIOnly(a))
     assert x.unsafe_buffer_pointer() == a.ctypes.data

@@ -26,9 +26,11 @@ import jax
 import numpy as np
 import pytest
 
+import jax_overlay
 from jax_overlay import _dlpack as D
-from jax_overlay import _exports as E
-from jax_overlay import _testing as T
+from jax_overlay import _cai as C
+from jax_overlay import _dlpack as E
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 ROUNDS = int(os.environ.get("JAX_OVERLAY_LEAK_ROUNDS") or 10_000)
@@ -94,18 +96,18 @@ def dlpack_versioned():
     """DLPack import of a NumPy array, which answers max_version=(1, 1)
     with a versioned capsule."""
     producer = data()
-    return producer, producer, lambda: D.from_dlpack(producer)
+    return producer, producer, lambda: jax_overlay.from_dlpack(producer)
 
 
 def dlpack_legacy():
     producer = LegacyProducer(data())
-    return producer, producer.array, lambda: D.from_dlpack(producer)
+    return producer, producer.array, lambda: jax_overlay.from_dlpack(producer)
 
 
 def dlpack_copy():
     """DLPack import with copy=True: a fresh buffer each round."""
     producer = data()
-    return producer, producer, lambda: D.from_dlpack(producer, copy=True)
+    return producer, producer, lambda: jax_overlay.from_dlpack(producer, copy=True)
 
 
 def dlpack_export():
@@ -128,7 +130,7 @@ def cai_export():
 
     class Holder:
         def __init__(self):
-            self.__cuda_array_interface__ = E.cuda_array_interface(x)
+            self.__cuda_array_interface__ = C.cuda_array_interface(x)
             self.x = x  # the exporter's rule: hold the exporting object
 
     def round_trip():
@@ -143,9 +145,9 @@ PATHS = [cai_view, cai_copy, dlpack_versioned, dlpack_legacy, dlpack_copy,
 
 @pytest.fixture
 def allow_host_export():
-    E._allow_host = True
+    C._allow_host = True
     yield
-    E._allow_host = False
+    C._allow_host = False
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -113,9 +113,11 @@ def _stage(tmp_path, *, native=None, checkout=False, version=None):
     native module, and _version.py's assignments replaced by `version`."""
     pkg = tmp_path / "jax_overlay"
     pkg.mkdir()
-    for f in PACKAGE.iterdir():
+    for f in PACKAGE.rglob("*"):
         if f.suffix in (".py", ".pyi") or f.name == "py.typed":
-            shutil.copy(f, pkg)
+            dest = pkg / f.relative_to(PACKAGE)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, dest)
     if native is not None:
         shutil.copy(native, pkg / f"_xla_ext{importlib.machinery.EXTENSION_SUFFIXES[0]}")
     if checkout:
@@ -429,7 +431,7 @@ def test_a_checkout_without_a_build_uses_its_own_installed_one(tmp_path, same_ch
     other.mkdir()
     installed = _fake_install(tmp_path / "site", ext.__file__, root if same_checkout else other)
     r = _run_in(root, [root, tmp_path / "site"],
-                "import jax_overlay, jax_overlay._xla_ext as m, jax_overlay._exports as e\n"
+                "import jax_overlay, jax_overlay._xla_ext as m, jax_overlay._dlpack as e\n"
                 "print(m.__file__); print(e.ext is m); print(jax_overlay.__file__)")
     if same_checkout:
         assert r.returncode == 0, r.stderr[-3000:]

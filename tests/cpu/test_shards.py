@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_overlay
-from jax_overlay import _exports
+from jax_overlay import _cai, _dlpack
 from jax_overlay import _runtime as rt
 from multidevice import (KDLCUDA, HostCAIOn, HostDLPack, aligned, check, cpus_as_gpus,
                          installed, on, params)
@@ -252,18 +252,18 @@ def case_from_shards_errors_name_the_array_the_value_and_the_fix(n):
 def case_whole_array_protocols_send_sharded_arrays_to_to_shards(n):
     s, shape = layouts(n)["rows"]
     x = jax.device_put(aligned(shape), s)
-    _exports._allow_host = True  # describe CPU arrays too, as test_export does
+    _cai._allow_host = True  # describe CPU arrays too, as test_export does
     try:
         with pytest.raises(AttributeError, match=r"sharded over 2 devices.*jax_overlay.to_shards\(x\)"):
             jax_overlay.cuda_array_interface(x)
     finally:
-        _exports._allow_host = False
+        _cai._allow_host = False
     with pytest.raises(BufferError, match=r"sharded over 2 devices.*jax_overlay.to_shards\(x\)"):
         jax_overlay.to_dlpack(x)
     with installed():
         for method in (x.__dlpack__, x.__dlpack_device__):
             # A jaxlib with DLPack 1.x of its own keeps its CPU export, and
-            # its words (_exports.ours); the overlay's name to_shards.
+            # its words (_dlpack.ours); the overlay's name to_shards.
             words = "" if rt.NATIVE_DLPACK_1 else r"jax_overlay.to_shards\(x\).*shard.data.__dlpack__"
             with pytest.raises(BufferError, match=words):
                 method()

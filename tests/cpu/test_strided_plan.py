@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_overlay import _imports
+from jax_overlay import _cai, _view, peers
 from jax_overlay import _strided
 from jax_overlay import _xla_ext as ext
 
@@ -74,7 +74,7 @@ def import_plan(v):
     (plan None when the kernel does not take it): the layout from the
     native parser, as the CAI import gets it, then the same steps."""
     spec = ext.parse_cai(v.__array_interface__)
-    strides = spec.strides if spec.strides is not None else _imports._row_major(v.shape)
+    strides = spec.strides if spec.strides is not None else _view._row_major(v.shape)
     base, count, unit, offset = _strided.plan(spec.data, spec.low, spec.span, spec.itemsize, 0,
                                               _strided.GPU_ALIGNMENT)
     raw = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * (count * unit)).from_address(base))
@@ -205,7 +205,7 @@ def test_each_layout_is_planned_once_and_the_switch_replans():
     a second producer of the same layout reuses it, another layout or the
     kernel switch plans anew, and every copy is still the right data."""
     import jax_overlay
-    from jax_overlay import _testing
+    import forge as _testing
 
     _strided._route.cache_clear()
     owners = [_testing.aligned_empty((16, 256), np.float32) for _ in range(3)]

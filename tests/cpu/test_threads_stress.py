@@ -20,9 +20,10 @@ import jax
 import numpy as np
 import pytest
 
-from jax_overlay import _dlpack as D
-from jax_overlay import _exports as E
-from jax_overlay import _testing as T
+import jax_overlay
+from jax_overlay import _cai as C
+from jax_overlay import _dlpack as E
+import forge as T
 from jax_overlay import _xla_ext as ext
 
 ROUNDS = int(os.environ.get("JAX_OVERLAY_THREAD_ROUNDS") or 300)
@@ -47,14 +48,14 @@ def worker_ops(k):
 
     class Holder:  # a CAI export of x, holding x as the protocol asks
         def __init__(self):
-            self.__cuda_array_interface__ = E.cuda_array_interface(x)
+            self.__cuda_array_interface__ = C.cuda_array_interface(x)
             self.x = x
 
     return [
         lambda: (T.import_host(producer), a),
         lambda: (T.import_host(strided), a[::2, ::3]),
-        lambda: (D.from_dlpack(a), a),
-        lambda: (D.from_dlpack(T.host_capsule(producer, versioned=True)), a),
+        lambda: (jax_overlay.from_dlpack(a), a),
+        lambda: (jax_overlay.from_dlpack(T.host_capsule(producer, versioned=True)), a),
         lambda: (np.from_dlpack(T.DLPackHolder(E.to_dlpack(x, max_version=(1, 1)))), a),
         lambda: (np.from_dlpack(T.DLPackHolder(E.to_dlpack(x))), a),
         lambda: (T.import_host(Holder()), a),
@@ -64,9 +65,9 @@ def worker_ops(k):
 
 @pytest.fixture
 def allow_host_export():
-    E._allow_host = True
+    C._allow_host = True
     yield
-    E._allow_host = False
+    C._allow_host = False
 
 
 @pytest.mark.usefixtures("balanced", "allow_host_export")
@@ -160,7 +161,7 @@ def test_deleters_from_xla_threads():
                 a = filled((64, 64), k * n + i)
                 cap, key = T.forge_capsule(data=a.ctypes.data, shape=a.shape, keep=a,
                                            versioned=bool(i % 2))
-                x = D.from_dlpack(cap)
+                x = jax_overlay.from_dlpack(cap)
                 del cap, a
                 y = (x @ x.T).sum()  # reads x on XLA's threads: x's last user
                 del x
@@ -198,8 +199,10 @@ def test_deleters_from_xla_threads():
 
 EXIT_SCRIPT = textwrap.dedent("""
     import threading, numpy as np, jax
-    from jax_overlay import _testing as T, _dlpack as D, _exports as E, _xla_ext as ext
-    E._allow_host = True
+    import forge as T
+    import jax_overlay as D
+    from jax_overlay import _cai as C, _dlpack as E, _xla_ext as ext
+    C._allow_host = True
     cpu = jax.devices("cpu")[0]
     keep = []
     for i in range(50):

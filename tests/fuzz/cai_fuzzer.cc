@@ -148,7 +148,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
     PyDict_SetItemString(d, kKeys[in.ConsumeIntegralInRange<int>(0, 9)], v);
     Py_DECREF(v);
   }
-  jxo::CaiSpec spec;
+  jxo::ArrayView spec;
   jxo::Error err;
   const bool ok = jxo::ParseCai(d, &spec, &err);
   if (PyErr_Occurred()) std::abort();  // errors travel in `err`, never as Python's

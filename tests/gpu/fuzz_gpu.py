@@ -193,7 +193,7 @@ class Cupy:
         return x.data.ptr, x.strides
 
     def delay(self, stream, handle, ms, dev):
-        from jax_overlay._producers import spin_fill
+        from jax_overlay.doctor.producers import spin_fill
         spin_fill(_cupy_scratch(self.cp, dev), 0.0, ms=ms, stream=stream)
 
     def copy(self, dst, src, stream):
@@ -273,7 +273,7 @@ class Torch:
         return x.data_ptr(), tuple(s * x.element_size() for s in x.stride())
 
     def delay(self, stream, handle, ms, dev):
-        from jax_overlay._producers import torch_sleep
+        from jax_overlay.doctor.producers import torch_sleep
         torch_sleep(ms, stream)
 
     def copy(self, dst, src, stream):
@@ -362,18 +362,18 @@ class Numba:
         except ImportError:
             cp = None
         if cp is not None:
-            from jax_overlay._producers import spin_fill
-            from jax_overlay._streams import cupy_stream
-            spin_fill(_cupy_scratch(cp, dev), 0.0, ms=ms, stream=cupy_stream(cp, handle, dev))
+            from jax_overlay.doctor.producers import spin_fill
+            from jax_overlay.peers.cupy import PEER as _CUPY_PEER
+            spin_fill(_cupy_scratch(cp, dev), 0.0, ms=ms, stream=_CUPY_PEER.stream(handle, dev))
             return
         try:
             import torch
         except ImportError:
             raise F.Unavailable("no delay kernel", reason="numba: in flight needs CuPy or "
                                 "PyTorch for its delay kernel") from None
-        from jax_overlay._producers import torch_sleep
-        from jax_overlay._streams import torch_stream
-        torch_sleep(ms, torch_stream(torch, handle, dev))
+        from jax_overlay.doctor.producers import torch_sleep
+        from jax_overlay.peers.torch import PEER as _TORCH_PEER
+        torch_sleep(ms, _TORCH_PEER.stream(handle, dev))
 
     def copy(self, dst, src, stream):
         dst.copy_to_device(src, stream=stream)

@@ -159,11 +159,11 @@ def test_ready_array_facts_are_kept_then_dropped():
     """A ready array's CAI facts are kept per array (the property is read
     again and again); each read is a fresh dict, deletion is still seen, and
     the entry goes with the array."""
-    from jax_overlay import _exports
+    from jax_overlay import _cai, _dlpack
     x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) + 0
     x.block_until_ready()
     first = x.__cuda_array_interface__
-    assert id(x) in _exports._ready_facts
+    assert id(x) in _cai._ready_facts
     again = x.__cuda_array_interface__
     assert again == first and again is not first and again["descr"] is not first["descr"]
     again["shape"] = (99,)
@@ -176,20 +176,20 @@ def test_ready_array_facts_are_kept_then_dropped():
     with pytest.raises(BufferError, match="deleted or donated"):
         x.__cuda_array_interface__
     del x
-    assert key not in _exports._ready_facts
+    assert key not in _cai._ready_facts
 
 
 def test_pending_array_is_ordered_until_ready_then_kept():
-    from jax_overlay import _exports
+    from jax_overlay import _cai, _dlpack
     jax_fill(0.0, steps=20000).block_until_ready()
     x = jax_fill(5.0, steps=20000)
     assert not x.is_ready()
     assert x.__cuda_array_interface__["stream"] == 1
-    assert id(x) not in _exports._ready_facts  # pending: not kept
+    assert id(x) not in _cai._ready_facts  # pending: not kept
     # A stream the consumer names is ordered on every read, kept or not.
     assert jax_overlay.cuda_array_interface(x, stream=2)["stream"] == 2
     x.block_until_ready()
     assert x.__cuda_array_interface__["stream"] is None
-    assert id(x) in _exports._ready_facts
+    assert id(x) in _cai._ready_facts
     assert jax_overlay.cuda_array_interface(x, stream=2)["stream"] == 2
     assert float(cp.asarray(x).min()) == 5.0

@@ -15,7 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_overlay  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
-from jax_overlay._streams import cupy_stream  # noqa: E402
+from jax_overlay.peers.cupy import PEER as _CUPY_PEER  # noqa: E402
 
 from producers import STREAMS, WithStream, spin_fill  # noqa: E402
 
@@ -198,7 +198,7 @@ def test_numba_inflight_producer_on_its_own_stream():
     d = cuda.device_array(1 << 20, np.float32, stream=s)
     handle = d.__cuda_array_interface__["stream"]
     assert isinstance(handle, int) and handle > 2, handle  # Numba exports its stream
-    on_numba_stream = cupy_stream(cp, handle)
+    on_numba_stream = _CUPY_PEER.stream(handle)
     alias = cp.asarray(d)
     stale = 0
     for k in range(1, 101):
@@ -376,7 +376,7 @@ def test_managed_memory_cupy_pool():
     pool = cp.cuda.MemoryPool(cp.cuda.malloc_managed)
     with cp.cuda.using_allocator(pool.malloc):
         a = cp.arange(1000, dtype=cp.float32)
-    assert ext.pointer_info(a.data.ptr)[0] == "managed"
+    assert ext.pointer_info(a.data.ptr).kind == "managed"
     x = imp(a)
     assert x.sharding.memory_kind == "device"
     assert ptr(x) == a.data.ptr

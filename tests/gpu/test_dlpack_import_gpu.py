@@ -82,7 +82,7 @@ def test_cupy_managed_memory():
     pool = cp.cuda.MemoryPool(cp.cuda.malloc_managed)
     with cp.cuda.using_allocator(pool.malloc):
         a = cp.arange(1000, dtype=cp.float32)
-    assert ext.pointer_info(a.data.ptr)[0] == "managed"
+    assert ext.pointer_info(a.data.ptr).kind == "managed"
     x = jax_overlay.from_dlpack(a)
     assert ptr(x) == a.data.ptr and x.sharding.memory_kind == "device"
     np.testing.assert_array_equal(np.asarray(x + 1), np.arange(1000) + 1)
@@ -143,7 +143,7 @@ def test_many_imports_while_producer_busy_never_block(producer):
     """2000 imports behind a 1.5 s kernel on the producer's current stream:
     the kernel is still running when the last import returns, so none
     waited for it.  from_dlpack takes CuPy's and PyTorch's CUDA Array
-    Interface (see _dlpack.cai_route), which avoids CuPy's blocking
+    Interface (see _route.cai_route), which avoids CuPy's blocking
     __dlpack__; "-capsule" forces their __dlpack__."""
     imp = jax_overlay.from_dlpack
     if producer.endswith("-capsule"):

@@ -18,7 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import dropin as D  # noqa: E402
 import jax_overlay  # noqa: E402
 from jax_overlay import _dlpack  # noqa: E402
-from jax_overlay import _imports  # noqa: E402
+from jax_overlay import _cai, _view, peers  # noqa: E402
 from jax_overlay import _runtime as rt  # noqa: E402
 
 from producers import spin_fill  # noqa: E402
@@ -306,7 +306,7 @@ def test_reversed_cupy_view_whose_capsule_is_wrong():
 def test_torch_routes_by_what_its_cai_can_say(grad, installed):
     torch = _torch()
     seen = []
-    real = _imports.import_cai
+    real = _cai.import_cai
 
     def spy(*a, **k):
         seen.append("cai")
@@ -314,7 +314,7 @@ def test_torch_routes_by_what_its_cai_can_say(grad, installed):
     t = torch.arange(6.0, device="cuda").requires_grad_(grad)
     b = torch.arange(6.0, device="cuda").to(torch.bfloat16)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_imports, "import_cai", spy)
+        mp.setattr(_cai, "import_cai", spy)
         if grad:  # torch refuses both protocols: its own RuntimeError, as stock
             with pytest.raises(RuntimeError):
                 jnp.asarray(t)

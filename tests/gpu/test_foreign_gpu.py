@@ -136,10 +136,10 @@ def test_the_callers_stream_and_device_are_restored(framework):
 def test_cupy_stream_wrapper_never_destroys_the_handle():
     """cupy.cuda.Stream.from_external's Stream destroys its handle when it is
     collected; the wrapper for XLA's stream must not."""
-    from jax_overlay._streams import cupy_stream
+    from jax_overlay.peers.cupy import PEER as _CUPY_PEER
     own = cp.cuda.Stream(non_blocking=True)
     for _ in range(3):
-        w = cupy_stream(cp, own.ptr, cp.cuda.Device().id)
+        w = _CUPY_PEER.stream(own.ptr, cp.cuda.Device().id)
         assert w.ptr == own.ptr
         del w
         gc.collect()

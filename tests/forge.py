@@ -1,4 +1,4 @@
-"""Test helpers: run the real import path on host memory, so CI without a
+"""Test helpers (never in the wheel): run the real import path on host memory, so CI without a
 GPU exercises the parser, the capsules, the strided copy and the lifetimes;
 and forge DLPack capsules field by field, as a buggy producer would."""
 
@@ -11,12 +11,12 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 
-from . import _imports
-from . import _xla_ext as ext
+from jax_overlay import _cai, _view
+from jax_overlay import _xla_ext as ext
+from jax_overlay.doctor.producers import aligned_empty  # noqa: F401  (the tests' too)
 
-_KDLCPU = 1
+from jax_overlay._view import KDLCPU as _KDLCPU  # noqa: E402
 
 
 class HostCAI:
@@ -46,8 +46,8 @@ class HostCAI:
 def import_host(obj, *, copy=None, device=None):
     """jax_overlay.from_cuda_array_interface, reading the pointer as host
     memory: the same native plan and Python path, with kDLCPU capsules."""
-    arr, copied = _imports.import_cai(obj, copy=copy, host=True)
-    return _imports.finish(arr, copied, device=device, copy=copy)
+    arr, copied = _cai.import_cai(obj, copy=copy, host=True)
+    return _view.finish(arr, copied, device=device, copy=copy)
 
 
 def settle(condition, what, timeout=30.0):
@@ -84,14 +84,6 @@ def host_capsule(obj, versioned=False):
     """A kDLCPU capsule straight from an object's CAI dict."""
     view = ext.parse_cai(obj.__cuda_array_interface__)
     return ext.capsule_from_cai(view, obj, _KDLCPU, 0, versioned)
-
-
-def aligned_empty(shape, dtype, alignment=256):
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape)) * dtype.itemsize
-    buf = np.empty(n + alignment, np.uint8)
-    off = (-buf.ctypes.data) % alignment
-    return buf[off:off + n].view(dtype).reshape(shape)
 
 
 # Forged DLPack capsules ---------------------------------------------------

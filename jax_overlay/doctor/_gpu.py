@@ -11,10 +11,10 @@ import importlib
 
 import numpy as np
 
-from . import _runtime as rt
-from ._producers import jax_fill, spin_fill, torch_sleep
-from ._streams import cupy_stream
-from .doctor import PROTOCOLS, Case, Expect, NotApplicable, Row, Skip, need, need_gpu
+from .. import _runtime as rt
+from ..peers import cupy as _cupy_peer
+from . import PROTOCOLS, Case, Expect, NotApplicable, Row, Skip, need, need_gpu
+from .producers import jax_fill, spin_fill, torch_sleep
 
 N = 1 << 16        # float32 elements of the doctor's arrays (256 KiB)
 TRIAL_MS = 1.0     # how long the producer stays busy in one in-flight trial
@@ -147,7 +147,7 @@ def _numba_import(memory, protocol="CAI"):
         case.no_trial = "this Numba exports no stream for an array bound to a stream"
         return case
     alias = cp.asarray(busy)
-    on_s = cupy_stream(cp, handle)
+    on_s = _cupy_peer.PEER.stream(handle, -1)  # -1: the current device
 
     def trial(k):
         spin_fill(alias, float(k), ms=TRIAL_MS, stream=on_s)

@@ -1,4 +1,4 @@
-"""Producers that are still busy when their array changes hands, for the
+"""Room: the doctor's producers.  Producers that are still busy when their array changes hands, for the
 doctor, the GPU tests and the benchmarks: a CuPy kernel that keeps a stream
 busy and then writes, PyTorch's sleep kernel, and a JAX computation that is
 still running after dispatch.  CuPy and PyTorch are imported on first use."""
@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._streams import cupy_stream
+import numpy as np
+
+from ..peers import cupy as _cupy_peer
 
 SPIN_SRC = r"""
 extern "C" __global__ void spin_fill(float* out, long long n, long long cycles, float value) {
@@ -93,11 +95,21 @@ def jax_fill(k, *, steps=300, n=JAX_N):
     done before its consumer reads proves nothing.  Without CuPy, the loop."""
     start = seed(n)
     try:
-        import cupy as cp
+        import cupy  # noqa: F401  (the spin kernel's)
     except ImportError:
         return jax_busy(float(k), start, steps)
-    from . import _runtime as rt
+    from .. import _runtime as rt
     device, = start.devices()
-    held = cupy_stream(cp, rt.compute_stream(device))
+    held = _cupy_peer.PEER.stream(rt.compute_stream(device), -1)  # -1: the current device
     spin_fill(_hold_target(), 0.0, ms=steps / 100, stream=held)
     return _fill(float(k), start)
+
+
+def aligned_empty(shape, dtype, alignment=256):
+    """An empty NumPy array whose data starts `alignment`-byte aligned (JAX's
+    CPU client views only aligned host memory)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    buf = np.empty(n + alignment, np.uint8)
+    off = (-buf.ctypes.data) % alignment
+    return buf[off:off + n].view(dtype).reshape(shape)

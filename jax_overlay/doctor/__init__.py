@@ -75,8 +75,18 @@ from typing import Callable
 import numpy as np
 
 SCHEMA = "jax_overlay.doctor/2"
+
+
+
+def _gpu_peers():
+    """The registered peers besides NumPy (listed on its own): their
+    versions are the environment's."""
+    from ..peers import REGISTRY
+    return [p for name, p in REGISTRY.items() if name != "numpy"]
+
+
 ENV_KEYS = ("jax_overlay", "python", "platform", "numpy", "jax", "jaxlib",
-            "jax_cuda_plugin", "cupy", "torch", "numba", "libcuda",
+            "jax_cuda_plugin", *(p.name for p in _gpu_peers()), "libcuda",
             "cuda_driver_api", "nvidia_driver", "devices", "gpu",
             "jax_overlay_installed")
 ROW_KEYS = ("n", "direction", "peer", "protocol", "memory", "call", "status",
@@ -208,7 +218,7 @@ class DLPackView:
 
 
 def _capsule_kind(cap):
-    from . import _xla_ext as ext
+    from .. import _xla_ext as ext
     try:
         return "versioned" if ext.capsule_info(cap)["versioned"] else "legacy"
     except Exception:  # noqa: BLE001 - a capsule we cannot read: say nothing
@@ -356,7 +366,7 @@ def _broken_promise(expect, side):
 
 def evaluate(row, n, trials, calls):
     """One row's record: both sides measured, then the verdict."""
-    from . import _install
+    from .. import _install
     rec = {"n": n, "direction": row.direction, "peer": row.peer, "protocol": row.protocol,
            "memory": row.memory, "call": row.call, "status": None, "reason": None,
            "expect": dataclasses.asdict(row.expect) if row.expect else None,
@@ -397,7 +407,7 @@ def evaluate(row, n, trials, calls):
 @functools.cache
 def gpu_skip_reason():
     """None when GPU rows can run (libcuda and a JAX CUDA backend), else why not."""
-    from . import _xla_ext as ext
+    from .. import _xla_ext as ext
     try:
         ext.load_driver()
     except BufferError as e:
@@ -460,9 +470,9 @@ def nvidia_driver():
 def environment():
     import jax
     import jaxlib
-    from . import __version__
-    from . import _install
-    from . import _xla_ext as ext
+    from .. import __version__
+    from .. import _install
+    from .. import _xla_ext as ext
     dists = _distributions()
 
     def version(*names, prefix=None):
@@ -484,16 +494,15 @@ def environment():
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "jax_cuda_plugin": ", ".join(f"{n} {dists[n]}" for n in plugins) or None,
-        "cupy": version("cupy", prefix="cupy-cuda"),
-        "torch": version("torch"),
-        "numba": version("numba"),
+        # A peer's distribution, or a build of it named after it ("cupy-cuda13x").
+        **{p.name: version(p.distribution, prefix=p.distribution + "-") for p in _gpu_peers()},
         "libcuda": None, "cuda_driver_api": None,
         "nvidia_driver": nvidia_driver(),
         "devices": [],
         "gpu": gpu_skip_reason(),
         "jax_overlay_installed": _install.installed(),
     }
-    if version("numba-cuda"):
+    if version("numba-cuda") and "numba" in env:
         env["numba"] = f"{env['numba']} (numba-cuda {version('numba-cuda')})"
     try:
         ext.load_driver()
@@ -525,9 +534,9 @@ def _cpu_device():
 
 def _numpy_source(memory):
     """A NumPy array (aligned, as JAX's CPU client wants for a view)."""
-    from . import _testing
+    from .producers import aligned_empty
     _cpu_device()
-    a = _testing.aligned_empty((64, 32), np.float32)
+    a = aligned_empty((64, 32), np.float32)
     a[...] = np.arange(a.size, dtype=np.float32).reshape(a.shape)
     src = a[:, ::2] if memory == "host, strided" else a
     if memory == "host, read-only":
@@ -563,7 +572,7 @@ def host_rows():
 
 
 def all_rows():
-    from . import _doctor_gpu
+    from . import _gpu as _doctor_gpu
     return host_rows() + _doctor_gpu.rows()
 
 
@@ -649,7 +658,7 @@ def _env_lines(env):
         ("numpy", env["numpy"]),
         ("jax / jaxlib", f"{env['jax']} / {env['jaxlib']}"),
         ("jax CUDA plugin", v(env["jax_cuda_plugin"])),
-        ("cupy", v(env["cupy"])), ("torch", v(env["torch"])), ("numba", v(env["numba"])),
+        *((p.name, v(env[p.name])) for p in _gpu_peers()),
         ("libcuda", env["libcuda"]),
         ("CUDA driver API", v(env["cuda_driver_api"]) if env["cuda_driver_api"] else "-"),
         ("NVIDIA driver", env["nvidia_driver"] or "-"),
@@ -707,7 +716,7 @@ def run(*, as_json=False, plain=False, trials=20, calls=200, out=None, rows=None
     """Measures every row; writes the report (and the JSON report to
     `json_file` too, if given); returns the exit status."""
     out = sys.stdout if out is None else out
-    from . import _install
+    from .. import _install
     was_installed = _install.installed()
     env = environment()
     try:

@@ -1,0 +1,84 @@
+"""Room: the peers.  One module per array library (``numpy``, ``torch``,
+``cupy``, ``numba``), each registered once, in :data:`REGISTRY`.
+
+A peer module holds everything that is true of one library and of no
+other: the one rule that recognises its arrays (by type, without importing
+the library), its quirks on the two protocols (a CAI route that orders as
+its ``__dlpack__`` would, a lazy view to resolve first), its stream type
+over a CUDA stream it does not own, and its adapter for
+``jax_overlay.foreign``.  The import and export paths ask the registry,
+never a library by name.  A well-behaved producer (a CUDA Array Interface
+v3 with a stream, or ``__dlpack__``) needs no module at all.
+
+Adding a library is one module here, registered at the end of this file:
+docs/ARCHITECTURE.md walks through one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._base import GENERIC, Peer
+
+REGISTRY: dict[str, Peer] = {}
+
+
+def register(peer: Peer) -> Peer:
+    """Adds `peer` under its name; one peer per name."""
+    if peer.name in REGISTRY:
+        raise ValueError(f"a peer named {peer.name!r} is registered already")
+    REGISTRY[peer.name] = peer
+    _BY_TYPE.clear()
+    return peer
+
+
+# Per type: its peer, or None (a producer no module describes).  The common
+# types are looked up once.
+_BY_TYPE: dict[type, Peer | None] = {}
+
+
+def peer_of(t: type) -> Peer | None:
+    """The peer whose rule recognises type `t`, or None."""
+    try:
+        return _BY_TYPE[t]
+    except KeyError:
+        pass
+    found = None
+    for peer in REGISTRY.values():
+        if peer.owns(t):
+            found = peer
+            break
+    _BY_TYPE[t] = found
+    return found
+
+
+def resolve(obj: Any, copy: bool | None) -> tuple[Any, bool]:
+    """(obj, copied): `obj` with what its library leaves lazy resolved (a
+    copy), where neither protocol would carry it; else `obj` itself."""
+    peer = peer_of(type(obj))
+    return (obj, False) if peer is None else peer.resolve(obj, copy)
+
+
+def frameworks() -> tuple[str, ...]:
+    """The names ``jax_overlay.foreign(framework=...)`` takes."""
+    return tuple(name for name, peer in REGISTRY.items() if peer.runs_on is not False)
+
+
+def where(place: str) -> str:
+    """The frameworks that run on `place` ("cpu" or "gpu"), for messages."""
+    names = [repr(n) for n, p in REGISTRY.items() if p.runs_on in (place, None)]
+    return " or ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def foreign_peer(framework: str) -> Peer:
+    """The peer of ``foreign(framework=...)``; ValueError naming the choices."""
+    peer = REGISTRY.get(framework) if isinstance(framework, str) else None
+    if peer is None or peer.runs_on is False:
+        raise ValueError(f"framework={framework!r}: pass one of {', '.join(map(repr, frameworks()))}")
+    return peer
+
+
+from . import numpy, torch, cupy, numba  # noqa: E402  (each registers itself)
+
+__all__ = ["GENERIC", "Peer", "REGISTRY", "cupy", "foreign_peer", "frameworks", "numba", "numpy",
+           "peer_of", "register", "resolve", "torch", "where"]

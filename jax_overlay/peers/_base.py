@@ -1,0 +1,190 @@
+"""The peer interface, and the base of every ``jax_overlay.foreign``
+adapter over XLA's device buffers.  Nothing here imports a library."""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .. import _xla_ext as ext
+from .._dlpack import KDLCPU, KDLCUDA, KDLCUDAHOST
+from ..errors import ForeignError
+
+# A peer's cai_reader() answer: no rule of its own, the generic one decides
+# (the producer's own CAI when it is v3 with a stream and it also has
+# __dlpack__, else DLPack).
+GENERIC: Any = object()
+
+
+class Peer:
+    """One array library.  Subclasses set the names and override what is
+    true of their library; the defaults describe a well-behaved producer."""
+
+    name = ""        # foreign()'s framework=, and the registry's key
+    title = ""       # the library's name in messages ("PyTorch")
+    distribution = ""  # its distribution on PyPI, for the doctor's versions
+    # Where its foreign() adapter runs: "cpu", "gpu", None (both), or False
+    # (no adapter).
+    runs_on: str | None | bool = False
+
+    def owns(self, t: type) -> bool:
+        """Whether `t` is the library's array type: one rule, by type, that
+        never imports the library."""
+        return False
+
+    def resolve(self, obj: Any, copy: bool | None) -> tuple[Any, bool]:
+        """(obj, copied): a lazy view neither protocol carries, resolved."""
+        return obj, False
+
+    def cai_reader(self, t: type) -> Any:
+        """The import's route for type `t`: a function (obj, copy) -> (owner,
+        CAI dict, copied) or None, that reads its CAI where it gives the
+        same array as its ``__dlpack__``; None for DLPack always; GENERIC
+        for the generic rule."""
+        return GENERIC
+
+    def stream(self, handle: int, ordinal: int) -> Any:
+        """The library's stream object over a CUDA stream handle it does not
+        own (never destroyed by the library)."""
+        raise NotImplementedError(f"{self.title} has no stream type here")
+
+    def adapter(self) -> Any:
+        """A new adapter of ``foreign()`` (the library imported now)."""
+        raise NotImplementedError(f"{self.title} has no foreign() adapter")
+
+
+def mismatch(i, got_dtype, got_shape, want_dtype, want_shape):
+    return ForeignError(
+        f"output {i} of the foreign function is {got_dtype}{list(got_shape)}, but "
+        f"result_shape_dtypes says {np.dtype(want_dtype)}{list(want_shape)}; return "
+        "exactly that, or correct result_shape_dtypes")
+
+
+class _Token:
+    """Owned by every view of one buffer; weakly referenced by the call."""
+    __slots__ = ("__weakref__",)
+
+
+def token(tokens):
+    """A new token, weakly recorded in the call's `tokens`."""
+    t = _Token()
+    tokens.append(weakref.ref(t))
+    return t
+
+
+def buffer_facts(b):
+    """(pointer, shape, dtype, size) of an XLA buffer."""
+    shape = tuple(b.shape)
+    dtype = np.dtype(b.dtype)
+    size = math.prod(shape)
+    # The pointer through the buffer's own DLPack capsule (any dtype; its
+    # CAI has no typestr for bfloat16): read, not consumed, then dropped.
+    ptr = ext.capsule_info(b.__dlpack__())["data"] if size else 0
+    return ptr, shape, dtype, size
+
+
+class GpuAdapter:
+    """A foreign() adapter over XLA's CUDA device buffers: views made with no
+    copy, XLA's own stream as the library's stream for the call.
+
+    Ordering: the callback runs on the host when XLA reaches it in its
+    stream, possibly before the GPU has finished the work before it.
+    Libraries with a current stream get XLA's made current, so every kernel
+    ``fn`` launches (and the copies into XLA's outputs) queue behind that
+    work and ahead of the work after it: nothing waits on the host.
+
+    Lifetime: each view holds a token through the library's own owner
+    field, so any view derived from it holds it too; a token alive after
+    the call means ``fn`` kept XLA's memory."""
+
+    name = ""
+    array_type = ""
+    array: type | None = None  # the exact type of the library's arrays: a pytree leaf
+
+    def __init__(self, peer: Peer | None = None):
+        self.peer = peer
+        if peer is not None:
+            self.name = peer.name
+        self._local = threading.local()
+
+    def stream(self, handle, ordinal):
+        """This thread's stream object over XLA's stream `handle`: XLA keeps
+        its streams, so one wrapper each, made on first use.  Per thread,
+        because a stream object may keep the state of its own ``with``
+        (PyTorch's does)."""
+        streams = self._local.__dict__.setdefault("streams", {})
+        key = (handle, ordinal)
+        stream = streams.get(key)
+        if stream is None:
+            stream = streams[key] = self.wrap(handle, ordinal)
+        return stream
+
+    def wrap(self, handle, ordinal):
+        """The library's stream object over `handle`: its peer's."""
+        assert self.peer is not None, "an adapter without a peer makes its own streams"
+        return self.peer.stream(handle, ordinal)
+
+    def facts(self, got):
+        """(shape, NumPy dtype) of an array of the library, else (None, None)."""
+        raise NotImplementedError
+
+    def np_dtype(self, view):
+        """The NumPy dtype of one of the library's views."""
+        raise NotImplementedError
+
+    def view(self, b, writeable, tokens):
+        ptr, shape, dtype, size = buffer_facts(b)
+        if not size:  # no memory to view, nothing to hold
+            return self.empty(shape, dtype)
+        return self.over(ptr, shape, dtype, size, b.__dlpack_device__()[1], writeable,
+                         token(tokens))
+
+    def empty(self, shape, dtype):
+        """A zero-size array of the library."""
+        raise NotImplementedError
+
+    def over(self, ptr, shape, dtype, size, ordinal, writeable, token):
+        """The library's array over XLA's memory at `ptr`, holding `token`
+        through its own owner field, so every view derived from it holds it
+        too."""
+        raise NotImplementedError
+
+    def ordinal(self, buffers):
+        ordinal = None
+        for i, b in enumerate(buffers):
+            kind, dev = b.__dlpack_device__()
+            if kind != KDLCUDA:
+                where = ("pinned host memory (kDLCUDAHost); move it to device memory first "
+                         "(jax.device_put(x, x.sharding.with_memory_kind('device')))"
+                         if kind == KDLCUDAHOST else
+                         f"DLPack device {kind} (the CPU backend is {KDLCPU}); "
+                         f"framework={_cpu_names()} run there, or put the inputs on the GPU")
+                raise ForeignError(f"framework={self.name!r} runs on CUDA device buffers; "
+                                   f"buffer {i} of this call is in {where}")
+            if ordinal is None:
+                ordinal = int(dev)
+            elif ordinal != dev:
+                raise ForeignError(f"buffers of one foreign call on GPUs {ordinal} and {dev}")
+        return 0 if ordinal is None else ordinal
+
+    def output(self, i, got, view):
+        shape, dtype = self.facts(got)
+        if shape is None:
+            if np.ndim(got) == 0 and view.ndim == 0 and not hasattr(got, "shape"):
+                return got  # a Python scalar for a 0-d output: filled in
+            raise ForeignError(
+                f"output {i} of the foreign function is a {type(got).__qualname__}; "
+                f"framework={self.name!r} returns {self.array_type} (or a Python scalar "
+                "for a 0-d output)")
+        if shape != tuple(view.shape) or dtype != self.np_dtype(view):
+            raise mismatch(i, dtype, shape, self.np_dtype(view), tuple(view.shape))
+        return got
+
+
+def _cpu_names():
+    from . import where
+    return where("cpu")

@@ -1,0 +1,106 @@
+"""Room: Numba's CUDA arrays (peer ``"numba"``, numba-cuda).  Its device
+arrays are recognised by one rule (Numba's ``DeviceNDArrayBase`` in the
+type's MRO, found by name).
+Its mapped and managed arrays are NumPy arrays too: the ``numpy`` peer
+describes them.  Numba has no current stream: the foreign() adapter
+fences kernels launched on Numba's default stream with events, and its
+kernels take ``jax_overlay.foreign_stream()``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _xla_ext as ext
+from . import register
+from ._base import GpuAdapter, Peer
+
+_LEGACY, _PER_THREAD = 1, 2  # the CUDA driver's stream handles
+
+
+class Numba(Peer):
+    name, title, distribution, runs_on = "numba", "Numba (numba-cuda)", "numba", "gpu"
+
+    def owns(self, t: type) -> bool:
+        return any(c.__name__ == "DeviceNDArrayBase" and "numba" in c.__module__
+                   for c in t.__mro__)
+
+    # cai_reader: the generic rule.  Numba's arrays have no __dlpack__, so
+    # their CAI (v3, with Numba's default stream) is the route.
+
+    def stream(self, handle, ordinal):
+        """Numba's external stream over `handle`, made in the device's
+        context (the adapter's enter() makes it current)."""
+        from numba import cuda
+        return cuda.external_stream(handle)
+
+    def adapter(self):
+        return Foreign(self)
+
+
+class Foreign(GpuAdapter):
+    """foreign(framework="numba"): device arrays over XLA's memory, owned by
+    the token (``owner=``); kernels on Numba's default stream ordered
+    after XLA's work before the call and before XLA's work after it."""
+
+    array_type = "a Numba device array"
+
+    def __init__(self, peer):
+        super().__init__(peer)
+        from numba import cuda
+        self.cuda = cuda
+        self.array = cuda.devicearray.DeviceNDArray
+        # Kernels launched without a stream go to Numba's default stream.
+        from numba.core import config
+        self.default = _PER_THREAD if getattr(config, "CUDA_PER_THREAD_DEFAULT_STREAM", 0) else _LEGACY
+
+    def enter(self, ctx, ordinal):
+        xla = ctx.stream
+        gpu = self.cuda.gpus[ordinal]
+        gpu.__enter__()
+        try:
+            stream = self.stream(xla, ordinal)
+            # Work fn puts on the default stream runs after XLA's work
+            # before the call, and XLA's work after the call runs after it
+            # (exit()).
+            ext.order_after(ordinal, xla, self.default)
+        except BaseException:
+            gpu.__exit__(None, None, None)
+            raise
+        return stream, (gpu, ordinal, xla)
+
+    def exit(self, state):
+        gpu, ordinal, xla = state
+        try:
+            # Also when fn raised: a kernel it launched may still write
+            # into XLA's buffers, which XLA must not reuse before it ends.
+            ext.order_after(ordinal, self.default, xla)
+        finally:
+            gpu.__exit__(None, None, None)
+
+    def np_dtype(self, view):
+        return view.dtype
+
+    def empty(self, shape, dtype):
+        return self.cuda.device_array(shape, dtype)
+
+    def over(self, ptr, shape, dtype, size, ordinal, writeable, token):
+        desc = {"shape": shape, "typestr": dtype.str, "data": (ptr, not writeable),
+                "strides": None, "version": 2}
+        return self.cuda.from_cuda_array_interface(desc, owner=token, sync=False)
+
+    def facts(self, got):
+        if not self.cuda.is_cuda_array(got) or isinstance(got, np.ndarray):
+            return None, None
+        return tuple(got.shape), np.dtype(got.dtype)
+
+    def copy_into(self, view, got, stream):
+        if not view.size:
+            return
+        if not hasattr(got, "shape"):  # a Python scalar for a 0-d output
+            got = np.asarray(got, view.dtype)
+        elif not isinstance(got, self.cuda.devicearray.DeviceNDArray):
+            got = self.cuda.as_cuda_array(got, sync=False)
+        view.copy_to_device(got, stream=stream)
+
+
+PEER = register(Numba())
