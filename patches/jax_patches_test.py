@@ -2,7 +2,7 @@
 
   jax_patches_test.py --wheel    the --wheel check of $JAX_PATCHES_PYTHON's jax
                                  (default: this interpreter's); passes, saying
-                                 so, if that jax is not BASE's release
+                                 so, if that jax is not BASE's wheel
   jax_patches_test.py --source   the --jax-src check of the checkout $JAX_SRC
 """
 

@@ -1,8 +1,8 @@
 """The jax patch series (patches/jax) and its checker, tools/check_jax_patches.py.
 
 test_python_hunks_on_installed_jax runs the checker's --wheel mode: it needs
-the installed jax to be the release the series is based on (CI makes a venv
-with it), and is skipped, saying why, on any other.  The other tests check
+the installed jax to be the release BASE's `wheel` line names (CI makes a
+venv with it), and is skipped, saying why, on any other.  The other tests check
 the checker itself on a small git repository made here.
 """
 
@@ -31,11 +31,16 @@ def _installed_jax():
         return None
 
 
+# The release nearest BASE's commit, whose wheel the Python hunks are checked
+# against.
+WHEEL = BASE.get("wheel", BASE["version"])
+
+
 @pytest.mark.skipif(
-    _installed_jax() != BASE["version"],
-    reason=f"the installed jax is {_installed_jax()}, the patch series is based "
-           f"on jax {BASE['version']}: its Python hunks are checked against that "
-           "release (CI: tools/check_jax_patches.py --wheel in a venv with it)")
+    _installed_jax() != WHEEL,
+    reason=f"the installed jax is {_installed_jax()}, the patch series' Python "
+           f"hunks are checked against the jax {WHEEL} wheel (CI: "
+           "tools/check_jax_patches.py --wheel in a venv with it)")
 def test_python_hunks_on_installed_jax():
     r = subprocess.run([sys.executable, str(CHECKER), "--wheel"],
                        capture_output=True, text=True)

@@ -5,7 +5,7 @@
 #   mkdir -p build/wheels; pip download --no-deps -d build/wheels wrap_torch2jax
 #   pip download numpy==2.4.6 --no-deps --only-binary=:all: \
 #     --platform manylinux_2_28_x86_64 --python-version 3.12 -d build/wheels
-#   R=<a jax git dir>; B=$(awk '/^commit/{print $2}' patches/jax/BASE)
+#   R=<a jax git dir>; B=a1521744c6dc074443fe549f19f48d7197abf759  # jax-v0.11.0
 #   for t in base:$B main:HEAD; do
 #     mkdir -p build/jax_interop_src/${t%%:*}; git --git-dir=$R archive ${t#*:} \
 #       tests/array_interoperability_test.py | tar -x -C build/jax_interop_src/${t%%:*}; done

@@ -1,5 +1,6 @@
 """Behaviour of the Python hunks of patches/jax, on the CPU, against a copy of
-the jax release the series is based on with those hunks applied.
+the jax release nearest the series' base (BASE's `wheel`) with those hunks
+applied.
 
 tools/check_jax_patches.py --wheel runs this file in a fresh interpreter whose
 `jax` is that patched copy (JAX_PATCHED_COPY names it) and whose jaxlib is the
@@ -40,12 +41,12 @@ assert pathlib.Path(jax.__file__).resolve().is_relative_to(
     pathlib.Path(PATCHED).resolve()), (jax.__file__, PATCHED)
 
 # The gates of patches 0001 and 0003 (jaxlib_extension_version), as the
-# checker read them from the series it checks: 478 and 480 for the 0.11.0
-# series, 480 and 482 for the one on jax main.
+# checker read them from the series it checks: 480 and 482 for the series on
+# jax main (patches/jax).
 _GATES = dict(item.split("=") for item in os.environ.get("JAX_PATCH_GATES", "").split(",")
               if "=" in item)
-CAI_JAXLIB = int(_GATES.get("0001", 478))
-VERSIONED_JAXLIB = int(_GATES.get("0003", 480))
+CAI_JAXLIB = int(_GATES.get("0001", 480))
+VERSIONED_JAXLIB = int(_GATES.get("0003", 482))
 
 
 def _capsule_name(capsule):
@@ -170,9 +171,8 @@ def test_0001_cai_import_with_stock_jaxlib_uses_its_signature():
 def versioned_jaxlib(monkeypatch):
     monkeypatch.setattr(dlpack_src, "jaxlib_extension_version",
                         VERSIONED_JAXLIB)
-    # The series on jax main derives DLPACK_VERSION from the gate when
-    # jax/_src/dlpack.py is imported ((0, 8) below it); the 0.11.0 series
-    # says (1, 0) outright.  Either way, a jaxlib past the gate reads (1, 0).
+    # The series derives DLPACK_VERSION from the gate when jax/_src/dlpack.py
+    # is imported ((0, 8) below it): a jaxlib past the gate reads (1, 0).
     monkeypatch.setattr(dlpack_src, "DLPACK_VERSION", (1, 0))
 
 
