@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds and tests the project with Bazel, offline: the native extension, its
-# C++ tests and the CPU pytest suite against the Bazel-built extension.
+# C++ tests and a smoke subset of the CPU pytest suite against the
+# Bazel-built extension (//tests:cpu_pytest; tools/test.sh runs all of
+# tests/cpu once, with pytest, before this).
 #   tools/bazel_test.sh [PYTHON] [EXTRA BAZEL TEST ARGS...]
 # PYTHON (default: $PYTHON_BIN_PATH, else python3) must have pybind11, jax,
 # numpy, ml_dtypes and pytest.  Installs Debian's bazel-bootstrap (Bazel

@@ -1,14 +1,43 @@
 #!/usr/bin/env bash
 # The test command: builds the native core in place and runs the pytest
-# suites (tests/gpu is skipped, with a reason, where no GPU is usable), then
-# the Bazel suites offline (C++ tests of the core, and tests/cpu against the
-# Bazel-built extension).  JAX_OVERLAY_SKIP_BAZEL=1 runs pytest only.
+# suites once, in full (tests/gpu is skipped, with a reason, where no GPU is
+# usable), then the Bazel suites offline: the C++ tests of the core in full
+# and a smoke subset of tests/cpu against the Bazel-built extension
+# (//tests:cpu_pytest in tests/BUILD.bazel).  Ends with where the time went,
+# one line a step, failed or not.  JAX_OVERLAY_SKIP_BAZEL=1 runs pytest only.
 #   bash tools/test.sh [PYTHON]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-${PYTHON:-python3}}
+
+declare -A took=([build]="not run" [pytest]="not run" [bazel]="not run")
+step="" step_start=0
+begin() { step=$1; step_start=$SECONDS; }
+end() { took[$step]="$((SECONDS - step_start))s"; step=""; }
+summary() {
+  local rc=$?
+  if [ -n "$step" ]; then took[$step]="$((SECONDS - step_start))s (failed)"; fi
+  echo "test.sh: build  ${took[build]}"
+  echo "test.sh: pytest ${took[pytest]}"
+  echo "test.sh: bazel  ${took[bazel]}"
+  echo "test.sh: total  ${SECONDS}s"
+  exit "$rc"
+}
+trap summary EXIT
+SECONDS=0
+
+begin build
 "$PY" setup.py -q build_ext --inplace
+end
+
+begin pytest
 "$PY" -m pytest -q -rs tests
+end
+
 if [ "${JAX_OVERLAY_SKIP_BAZEL:-0}" != 1 ]; then
+  begin bazel
   bash tools/bazel_test.sh "$PY"
+  end
+else
+  took[bazel]="skipped (JAX_OVERLAY_SKIP_BAZEL=1)"
 fi
