@@ -183,8 +183,7 @@ def main():
           for name, c in ctl.items())])
     print(text)
     harness.save(os.path.join(args.out, "dropin-ab.json"), {"meta": meta, "rows": rows, "controls": ctl})
-    with open(os.path.join(args.out, "dropin-ab.txt"), "w") as f:
-        f.write(text + "\n")
+    harness.save(os.path.join(args.out, "dropin-ab.txt"), text + "\n")
 
 
 if __name__ == "__main__":

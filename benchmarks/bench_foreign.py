@@ -153,8 +153,7 @@ def main():
     print(text)
     harness.save(os.path.join(args.out, f"foreign-ab{args.tag}.json"),
                  {"env": env, "rounds": args.rounds, "results": results, "meta": harness.meta()})
-    with open(os.path.join(args.out, f"foreign-ab{args.tag}.txt"), "w") as f:
-        f.write(text + "\n")
+    harness.save(os.path.join(args.out, f"foreign-ab{args.tag}.txt"), text + "\n")
 
 
 if __name__ == "__main__":

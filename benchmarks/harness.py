@@ -300,14 +300,17 @@ def meta(*, imports=(), **extra):
 
 
 def save(path, data):
-    """Writes `data` as JSON to `path` (nothing when `path` is empty)."""
+    """Writes `data` to `path`: text as it is, anything else as JSON
+    (nothing when `path` is empty)."""
     if not path:
         return
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-        f.write("\n")
+        if isinstance(data, str):
+            f.write(data)
+        else:
+            json.dump(data, f, indent=1, default=str)
+            f.write("\n")
 
 
 def finish(text, path, data):
