@@ -6,32 +6,23 @@ end to end, stock JAX vs jax_overlay, in one process.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
+import harness  # first: XLA's allocator setting, before jax loads
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import cupy as cp
+import jax
+import jax.numpy as jnp
+from jax import lax
 
-import cupy as cp  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-
-import jax_overlay  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_cai_import import REPEATS, ROUNDS, median_us as timed  # noqa: E402
+import jax_overlay
+from _internals import _exports, _xla_ext as ext
 
 
 def median_us(fn, make_arg):
-    return round(timed(fn, make_arg), 2)
+    return round(harness.median_us(fn, make_arg), 2)
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--json")
-    args = p.parse_args()
+    args = harness.arguments(__doc__, json_file=True).parse_args()
     x = jnp.arange(1 << 20, dtype=jnp.float32)
     x.block_until_ready()
     res = {}
@@ -52,8 +43,6 @@ def main():
     res["array still pending after the in-flight exports"] = not y.is_ready()
     y.block_until_ready()
     jax_overlay.uninstall()
-    from jax_overlay import _exports
-    from jax_overlay import _xla_ext as ext
     ptr = x.unsafe_buffer_pointer()
     floors = {
         "floor: x.unsafe_buffer_pointer()": lambda a: a.unsafe_buffer_pointer(),
@@ -67,15 +56,9 @@ def main():
     for name, fn in floors.items():
         res[name] = median_us(fn, lambda: x)
     res["has _pjrt_layout"] = hasattr(x, "_pjrt_layout")
-    meta = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-            "jax": jax.__version__, "cupy": cp.__version__,
-            "statistic": f"median of {ROUNDS} round means of {REPEATS} calls, us"}
-    for k, v in res.items():
-        print(f"{k:<50} {v}")
-    print(json.dumps(meta))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results_us": res}, f, indent=2)
+    meta = harness.meta(gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                        statistic=f"median of {harness.ROUNDS} round means of {harness.REPEATS} calls, us")
+    harness.finish(harness.listing(res, ("case", "us")), args.json, {"meta": meta, "results_us": res})
 
 
 if __name__ == "__main__":

@@ -6,70 +6,21 @@ in-flight producers, in one process.  Run on a GPU machine:
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
-import platform
-import statistics
 import sys
-import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import harness  # first: XLA's allocator setting, before jax loads
 
-import cupy as cp  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import cupy as cp
+import jax
+import jax.numpy as jnp
 
-import jax_overlay  # noqa: E402
-from jax_overlay import _runtime as rt  # noqa: E402
-from jax_overlay import _xla_ext as ext  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
-from producers import WithStream, spin_fill  # noqa: E402
-
-REPEATS, ROUNDS = 500, 7
-
-
-def median_us(fn, make_arg, repeats=REPEATS, rounds=ROUNDS, keep=None,
-              before_round=None, after_round=None):
-    """Median over `rounds` of the mean per-call time of `repeats` calls.
-    Results go to `keep`, so none dies inside the timed region (or, for
-    in-flight runs, before the producer's kernel ends).  `before_round` and
-    `after_round` run untimed around each round (start and drain a busy
-    producer)."""
-    per_round = []
-    keep = [] if keep is None else keep
-    for _ in range(rounds):
-        if before_round:
-            before_round()
-        args = [make_arg() for _ in range(repeats)]
-        # As timeit does: the cyclic collector stays off while timed (it runs
-        # after the round), so a collection of this large process (over
-        # 270,000 objects on the H200 run) does not land in whichever call
-        # crosses its threshold.  Reference counting still frees as usual.
-        gc.disable()
-        try:
-            t0 = time.perf_counter_ns()
-            for a in args:
-                keep.append(fn(a))
-            per_round.append((time.perf_counter_ns() - t0) / repeats / 1e3)
-        finally:
-            gc.enable()
-        if after_round:
-            after_round()
-    ROUND_MEANS.append([round(r, 2) for r in per_round])
-    return statistics.median(per_round)
-
-
-ROUND_MEANS = []
+import jax_overlay
+from _cai import WithStream
+from _internals import _runtime as rt, _xla_ext as ext, spin_fill
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--json")
-    args = p.parse_args()
-
+    args = harness.arguments(__doc__, json_file=True).parse_args()
     dev = jax.devices("cuda")[0]
     a = cp.arange(1 << 20, dtype=cp.float32)
     cp.cuda.Device().synchronize()
@@ -77,24 +28,22 @@ def main():
     res = {}
 
     def run(name, fn, make_arg, inflight=False):
-        for _ in range(50):
-            fn(make_arg())  # warm caches and jit
+        harness.warm(fn, make_arg)  # caches and jit
         keep = []
         if inflight:
             spin_fill(cp.empty(1, cp.float32), 0.0, ms=1000.0, stream=busy)
-        res[name] = round(median_us(fn, make_arg, keep=keep), 2)
-        print(f"  rounds of {name}: {ROUND_MEANS[-1]}", file=sys.stderr)
+        res[name] = round(harness.median_us(fn, make_arg, keep=keep), 2)
+        print(f"  rounds of {name}: {harness.ROUND_MEANS[-1]}", file=sys.stderr)
         if inflight:
             res[name + " (producer still busy after)"] = not busy.done
-            t0 = time.perf_counter()
+            t0 = harness.clock()
             del keep[-1]
-            res[name + ": deleting one result while busy, ms"] = round(
-                (time.perf_counter() - t0) * 1e3, 3)
+            res[name + ": deleting one result while busy, ms"] = harness.since_ms(t0)
             busy.synchronize()
         keep.clear()
 
-    legacy = lambda: a                                # cupy exports stream 1 (legacy)
-    idle_user = lambda: WithStream(a, busy.ptr)       # user stream, idle
+    legacy = lambda: a                                # noqa: E731 - cupy exports stream 1 (legacy)
+    idle_user = lambda: WithStream(a, busy.ptr)       # noqa: E731 - user stream, idle
     inflight_user = idle_user                         # same, with a kernel running
 
     run("stock jnp.asarray(cupy) idle", jnp.asarray, legacy)
@@ -150,21 +99,10 @@ def main():
         run("jax_overlay jnp.asarray(torch)", jnp.asarray, lambda: t)
         jax_overlay.uninstall()
 
-    meta = {
-        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        "driver": cp.cuda.runtime.driverGetVersion(),
-        "jax": jax.__version__, "cupy": cp.__version__,
-        "torch": getattr(torch, "__version__", None), "python": platform.python_version(),
-        "repeats": REPEATS, "rounds": ROUNDS, "statistic": "median of round means, us",
-    }
-    out = {"meta": meta, "results_us": res}
-    w = max(len(k) for k in res)
-    for k, v in res.items():
-        print(f"{k:<{w}}  {v}")
-    print(json.dumps(meta))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    meta = harness.meta(gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                        driver=cp.cuda.runtime.driverGetVersion(), repeats=harness.REPEATS,
+                        rounds=harness.ROUNDS, statistic="median of round means, us")
+    harness.finish(harness.listing(res, ("case", "us")), args.json, {"meta": meta, "results_us": res})
 
 
 if __name__ == "__main__":

@@ -7,33 +7,22 @@ a GPU machine:
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import sys
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import harness  # first: XLA's allocator setting, before jax loads
 
-import cupy as cp  # noqa: E402
-import jax  # noqa: E402
-import jax.dlpack  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import torch  # noqa: E402
+import cupy as cp
+import jax
+import jax.dlpack
+import jax.numpy as jnp
+import torch
 
-import jax_overlay  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
-from bench_cai_import import ROUND_MEANS, median_us  # noqa: E402
-from producers import spin_fill  # noqa: E402
+import jax_overlay
+from _internals import spin_fill
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--json")
-    args = p.parse_args()
-
+    args = harness.arguments(__doc__, json_file=True).parse_args()
     n = 1 << 20
     a = cp.arange(n, dtype=cp.float32)
     t = torch.arange(n, dtype=torch.float32, device="cuda")
@@ -45,16 +34,15 @@ def main():
     res = {}
 
     def run(name, fn, make_arg):
-        for _ in range(50):
-            fn(make_arg())
+        harness.warm(fn, make_arg)
         keep = []
         try:
-            res[name] = round(median_us(fn, make_arg, keep=keep), 2)
+            res[name] = round(harness.median_us(fn, make_arg, keep=keep), 2)
         except Exception as e:  # noqa: BLE001 - a row that fails is a finding
             res[name] = f"fails: {type(e).__name__}: {str(e)[:120]}"
             print(f"  {name}: {res[name]}", file=sys.stderr)
             return
-        print(f"  rounds of {name}: {ROUND_MEANS[-1]}", file=sys.stderr)
+        print(f"  rounds of {name}: {harness.ROUND_MEANS[-1]}", file=sys.stderr)
         keep.clear()
 
     # Imports into JAX.
@@ -75,15 +63,14 @@ def main():
     # calls: CuPy's own __dlpack__ blocks the host after ~1021 pending syncs
     # (see probe_dlpack.py), which would time CuPy, not the import.
     def inflight(name, fn, make_arg, start, busy, sync):
-        for _ in range(50):
-            fn(make_arg())
+        harness.warm(fn, make_arg)
         sync()
         busy_after = []
 
         def after():
             busy_after.append(busy())
             sync()
-        res[name] = round(median_us(fn, make_arg, before_round=start, after_round=after), 2)
+        res[name] = round(harness.median_us(fn, make_arg, before_round=start, after_round=after), 2)
         res[name + " (producer busy after every round)"] = all(busy_after)
 
     def cupy_busy():
@@ -117,20 +104,10 @@ def main():
     jax_overlay.uninstall()
     run("stock x.__dlpack_device__()", lambda v: v.__dlpack_device__(), lambda: x)
 
-    meta = {
-        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        "driver": cp.cuda.runtime.driverGetVersion(),
-        "jax": jax.__version__, "cupy": cp.__version__, "torch": torch.__version__,
-        "python": platform.python_version(), "statistic": "median of round means, us",
-    }
-    out = {"meta": meta, "results_us": res, "round_means": ROUND_MEANS}
-    w = max(len(k) for k in res)
-    for k, v in res.items():
-        print(f"{k:<{w}}  {v}")
-    print(json.dumps(meta))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    meta = harness.meta(gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                        driver=cp.cuda.runtime.driverGetVersion(), statistic="median of round means, us")
+    harness.finish(harness.listing(res, ("case", "us")), args.json,
+                   {"meta": meta, "results_us": res, "round_means": harness.ROUND_MEANS})
 
 
 if __name__ == "__main__":

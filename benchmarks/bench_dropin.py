@@ -19,31 +19,29 @@ the price of freeing an import) and JAX's copy of a view the side imported
 once and holds.
 
     python benchmarks/bench_dropin.py [--rounds 15] [--calls 200] [--out DIR]
+
+writes DIR/dropin-ab.json and DIR/dropin-ab.txt.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import statistics
-import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import harness  # first: XLA's allocator setting, before jax loads
 
-import cupy as cp  # noqa: E402
-import jax  # noqa: E402
-import jax.dlpack  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import torch  # noqa: E402
+import cupy as cp
+import jax
+import jax.dlpack
+import jax.numpy as jnp
+import torch
 
-import jax_overlay  # noqa: E402
-from jax_overlay import _producers  # noqa: E402
+import jax_overlay
+from _internals import cycles, spin_fill
 
 GPU = jax.devices("cuda")[0]
 N_ITEMS = 1024
 BUSY_MS = 0.2
+SIDES = {"stock": jax_overlay.uninstall, "installed": jax_overlay.install}
 
 ENTRIES = {
     "jnp.asarray": lambda a: jnp.asarray(a),
@@ -81,26 +79,12 @@ SPLITS = {"jnp.asarray, result held": _import_held,
 def _busy(lib):
     """Enqueues BUSY_MS of GPU work on the producer's current stream."""
     if lib == "torch":
-        torch.cuda._sleep(_producers.cycles(BUSY_MS))
+        torch.cuda._sleep(cycles(BUSY_MS))
     else:
-        _producers.spin_fill(_spin_target, 0.0, ms=BUSY_MS)
+        spin_fill(_spin_target, 0.0, ms=BUSY_MS)
 
 
 _spin_target = cp.empty(1, cp.float32)
-
-
-def _sources():
-    return {"cupy": cp.arange(N_ITEMS, dtype=cp.float32),
-            "torch": torch.arange(N_ITEMS, dtype=torch.float32, device="cuda")}
-
-
-def time_idle(fn, arg, calls):
-    """µs per call of fn(arg), `calls` calls back to back; results dropped
-    inside the loop, as a caller would."""
-    t0 = time.perf_counter_ns()
-    for _ in range(calls):
-        fn(arg)
-    return (time.perf_counter_ns() - t0) / calls / 1e3
 
 
 def time_in_flight(fn, arg, lib, calls):
@@ -109,15 +93,16 @@ def time_in_flight(fn, arg, lib, calls):
     total = 0
     for _ in range(calls):
         _busy(lib)
-        t0 = time.perf_counter_ns()
+        t0 = harness.clock()
         fn(arg)
-        total += time.perf_counter_ns() - t0
+        total += harness.clock() - t0
     cp.cuda.Device().synchronize()
     torch.cuda.synchronize()
     return total / calls / 1e3
 
 
 def cases(src):
+    """name -> (kind, fn, arg, lib): the cases, each timed on both sides."""
     x = jnp.arange(N_ITEMS, dtype=jnp.float32, device=GPU).block_until_ready()
     out = {}
     for lib, a in src.items():
@@ -139,80 +124,66 @@ def cases(src):
 
 
 def run_case(kind, fn, arg, lib, calls):
+    """One timing of a case (µs per call); stock refuses some (PyTorch's
+    read-only CAI): the harness records the failure."""
     try:
         if kind == "idle":
-            return time_idle(fn, arg, calls)
+            return harness.per_call_us(fn, calls, arg)  # results dropped, as a caller would
         return time_in_flight(fn, arg, lib, max(calls // 4, 10))
-    except Exception as e:  # stock refuses some (PyTorch's read-only CAI)
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
     finally:
         _KEEP.clear()  # the held results, freed outside the timer
 
 
+def arms(table, controls, calls):
+    out = [harness.Arm(name, lambda f=f: harness.per_call_us(f, calls), control=True)
+           for name, f in controls.items()]
+    for name, case in table.items():
+        for side, setup in SIDES.items():
+            out.append(harness.Arm((name, side), lambda case=case: run_case(*case, calls), setup=setup,
+                                   warm=lambda case=case: run_case(*case, 20)))
+    return out
+
+
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args()
-    src = _sources()
+    args = harness.arguments(__doc__, out=".", rounds=15, calls=200).parse_args()
+    src = {"cupy": cp.arange(N_ITEMS, dtype=cp.float32),
+           "torch": torch.arange(N_ITEMS, dtype=torch.float32, device="cuda")}
     table = cases(src)
     controls = {"control torch.from_dlpack(cupy)": lambda: torch.from_dlpack(src["cupy"]),
                 "control cupy.asarray(torch)": lambda: cp.asarray(src["torch"])}
-    samples = {name: {"stock": [], "installed": [], "ratio": []} for name in table}
-    control = {name: [] for name in controls}
-    for name, (kind, fn, arg, lib) in table.items():  # warm both sides
-        for side in (jax_overlay.uninstall, jax_overlay.install):
-            side()
-            run_case(kind, fn, arg, lib, 20)
-    for r in range(args.rounds):
-        for name, f in controls.items():
-            control[name].append(time_idle(lambda _: f(), None, args.calls))
-        for name, (kind, fn, arg, lib) in table.items():
-            # Alternate which side goes first, so neither always runs warm.
-            order = ("stock", "installed") if r % 2 == 0 else ("installed", "stock")
-            got = {}
-            for side in order:
-                (jax_overlay.uninstall if side == "stock" else jax_overlay.install)()
-                got[side] = run_case(kind, fn, arg, lib, args.calls)
-            for side in order:
-                samples[name][side].append(got[side])
-            if all(isinstance(v, float) for v in got.values()):
-                samples[name]["ratio"].append(got["installed"] / got["stock"])
-    jax_overlay.uninstall()
+    timed = arms(table, controls, args.calls)
+    try:
+        samples = harness.alternate(timed, args.rounds,
+                                    lambda r: harness.paired(table, SIDES, r, controls),
+                                    record_failures=True)
+    finally:
+        jax_overlay.uninstall()
 
     rows = []
-    for name, s in samples.items():
-        def med(xs):
-            nums = [v for v in xs if isinstance(v, float)]
-            return statistics.median(nums) if nums else next(iter(xs), None)
-        rows.append({"case": name, "stock_us": med(s["stock"]), "installed_us": med(s["installed"]),
-                     "ratio": statistics.median(s["ratio"]) if s["ratio"] else None,
-                     "ratio_min": min(s["ratio"]) if s["ratio"] else None,
-                     "ratio_max": max(s["ratio"]) if s["ratio"] else None})
-    ctl = {name: {"median_us": statistics.median(v), "min_us": min(v), "max_us": max(v)}
-           for name, v in control.items()}
-    meta = {"device": str(GPU.device_kind), "jax": jax.__version__, "cupy": cp.__version__,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "rounds": args.rounds, "calls": args.calls, "items": N_ITEMS, "busy_ms": BUSY_MS}
-    lines = [f"# stock vs install(), same process, {args.rounds} alternating rounds; "
-             f"{meta['device']}, jax {meta['jax']}, cupy {meta['cupy']}, torch {meta['torch']}",
-             f"{'case':<52} {'stock us':>10} {'installed us':>13} {'ratio':>7}  (min-max)"]
-    for row in rows:
-        def fmt(v):
-            return f"{v:10.2f}" if isinstance(v, float) else f"{str(v)[:40]:>10}"
-        ratio = (f"{row['ratio']:7.2f}  ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
-                 if row["ratio"] is not None else "    n/a")
-        lines.append(f"{row['case']:<52} {fmt(row['stock_us'])} {fmt(row['installed_us']):>13} {ratio}")
-    for name, c in ctl.items():
-        lines.append(f"{name:<52} median {c['median_us']:.2f} us, rounds {c['min_us']:.2f}-{c['max_us']:.2f}")
-    text = "\n".join(lines)
+    for name in table:
+        ratio = harness.ratios(samples, (name, "installed"), (name, "stock"))
+        rows.append({"case": name, "stock_us": harness.med(samples[(name, "stock")]),
+                     "installed_us": harness.med(samples[(name, "installed")]),
+                     "ratio": harness.med(ratio), "ratio_min": min(ratio, default=None),
+                     "ratio_max": max(ratio, default=None)})
+    ctl = {name: {"median_us": s["median"], "min_us": s["min"], "max_us": s["max"]}
+           for name, s in harness.drift(timed, samples).items()}
+    meta = harness.meta(device=str(GPU.device_kind), rounds=args.rounds, calls=args.calls,
+                        items=N_ITEMS, busy_ms=BUSY_MS)
+    text = "\n".join([
+        f"# stock vs install(), same process, {args.rounds} alternating rounds; {meta['device']}, "
+        f"jax {meta['jax']}, cupy {meta['cupy']}, torch {meta['torch']}; ratio: median over rounds "
+        "of installed / stock within the round (min-max)",
+        harness.table(["case", "stock us", "installed us", "ratio", "(min-max)"], [
+            (r["case"], harness.cell(r["stock_us"], ".2f")[:40], harness.cell(r["installed_us"], ".2f")[:40],
+             harness.cell(r["ratio"], ".2f") if r["ratio"] is not None else "n/a",
+             f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})" if r["ratio"] is not None else "")
+            for r in rows]),
+        *(f"{name}: median {c['median_us']:.2f} us, rounds {c['min_us']:.2f}-{c['max_us']:.2f}"
+          for name, c in ctl.items())])
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "dropin-ab.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "controls": ctl}, f, indent=1)
-    with open(os.path.join(args.out, "dropin-ab.txt"), "w") as f:
-        f.write(text + "\n")
+    harness.save(os.path.join(args.out, "dropin-ab.json"), {"meta": meta, "rows": rows, "controls": ctl})
+    harness.save(os.path.join(args.out, "dropin-ab.txt"), text + "\n")
 
 
 if __name__ == "__main__":

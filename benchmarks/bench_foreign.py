@@ -20,30 +20,27 @@ Reported: median over rounds of each case's µs, and per round the overhead
 
     python benchmarks/bench_foreign.py [--rounds 15] [--out DIR] [--tag -prealloc]
 
-XLA_PYTHON_CLIENT_PREALLOCATE defaults to false here (PyTorch shares the
-GPU); set it to true for XLA's preallocated pool.  The settings are in the
-report's first line.
+writes DIR/foreign-ab{TAG}.txt and .json.  XLA_PYTHON_CLIENT_PREALLOCATE
+defaults to false here (PyTorch shares the GPU); set it to true for XLA's
+preallocated pool.  The settings are in the report's first line.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
-import statistics
-import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import harness  # first: XLA's allocator setting, before jax loads
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
 
-import jax_overlay  # noqa: E402
+import jax_overlay
 
 SIZES = {"1K": (1024, 300), "256MiB": (64 << 20, 10)}  # elements, calls per timing
+CONTROL = "torch alone"
 
 
 def gelu(x):
@@ -84,7 +81,7 @@ def cases(n):
     def torch_alone():
         gelu(t)
         torch.cuda.synchronize()
-    out = {"torch alone": torch_alone,
+    out = {CONTROL: torch_alone,
            "foreign": lambda: foreign(x).block_until_ready(),
            "pure_callback": lambda: pure(x).block_until_ready(),
            "jax": lambda: own(x).block_until_ready()}
@@ -112,65 +109,51 @@ def cases(n):
     return out
 
 
-def timed(fn, calls):
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
+def one_size(n, calls, rounds):
+    made = cases(n)
+    runnable = {k: v for k, v in made.items() if callable(v)}
+    samples = harness.alternate(  # each warmed up first (compile, allocate); rotating order
+        [harness.Arm(k, lambda fn=fn: harness.per_call_us(fn, calls), warm=fn, control=k == CONTROL)
+         for k, fn in runnable.items()], rounds)
+    base = samples[CONTROL]
+    res = {"elements": n, "calls_per_timing": calls, "us": {}, "overhead_us": {},
+           "ratio_to_torch_alone": {}, "unavailable": {k: v for k, v in made.items() if not callable(v)}}
+    for k, ts in samples.items():
+        res["us"][k] = harness.med(ts)
+        res["overhead_us"][k] = harness.med(harness.differences(samples, k, CONTROL))
+        res["ratio_to_torch_alone"][k] = harness.med(harness.ratios(samples, k, CONTROL))
+    res["overhead_foreign_over_pure_callback"] = harness.med(harness.per_round(
+        lambda f, p, b: (f - b) / (p - b), samples["foreign"], samples["pure_callback"], base))
+    res["control_torch_alone_us_range"] = [min(base), max(base)]
+    return res
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p = harness.arguments(__doc__, out=".", rounds=15)
     p.add_argument("--tag", default="", help="appended to the output files' names")
     args = p.parse_args()
-    results, lines = {}, []
-    alloc = " ".join(f"{k}={os.environ.get(k)}" for k in (
-        "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR"))
+    results = {}
+    alloc = " ".join(f"{k}={v}" for k, v in harness.allocator().items())
     env = (f"{torch.cuda.get_device_name()}, jax {jax.__version__}, torch {torch.__version__}, "
            f"Python {platform.python_version()}, {alloc}")
-    lines.append(f"# jax_overlay.foreign vs pure_callback / torch2jax, same process, "
-                 f"{args.rounds} alternating rounds; {env}")
+    lines = [f"# jax_overlay.foreign vs pure_callback / torch2jax, same process, "
+             f"{args.rounds} alternating rounds; {env}"]
     for size, (n, calls) in SIZES.items():
-        made = cases(n)
-        runnable = {k: v for k, v in made.items() if callable(v)}
-        for fn in runnable.values():  # warm up: compile, allocate
-            fn()
-        per = {k: [] for k in runnable}
-        names = list(runnable)
-        for r in range(args.rounds):
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                per[k].append(timed(runnable[k], calls))
-        base = per["torch alone"]
-        res = {"elements": n, "calls_per_timing": calls, "us": {}, "overhead_us": {},
-               "ratio_to_torch_alone": {}, "unavailable": {k: v for k, v in made.items()
-                                                           if not callable(v)}}
-        for k, ts in per.items():
-            res["us"][k] = statistics.median(ts)
-            res["overhead_us"][k] = statistics.median(a - b for a, b in zip(ts, base))
-            res["ratio_to_torch_alone"][k] = statistics.median(a / b for a, b in zip(ts, base))
-        res["overhead_foreign_over_pure_callback"] = statistics.median(
-            (f - b) / (p - b) for f, p, b in zip(per["foreign"], per["pure_callback"], base))
-        res["control_torch_alone_us_range"] = [min(base), max(base)]
-        results[size] = res
-        lines.append(f"\n## {size} float32 ({n} elements), µs per call, median of {args.rounds} rounds")
-        lines.append(f"{'case':16s} {'us':>10s} {'overhead us':>12s} {'x torch alone':>14s}")
-        for k in names:
-            lines.append(f"{k:16s} {res['us'][k]:10.1f} {res['overhead_us'][k]:12.1f} "
-                         f"{res['ratio_to_torch_alone'][k]:14.3f}")
-        for k, why in res["unavailable"].items():
-            lines.append(f"{k:16s} unavailable: {why}")
+        res = results[size] = one_size(n, calls, args.rounds)
+        lo, hi = res["control_torch_alone_us_range"]
+        lines += [f"\n## {size} float32 ({n} elements), µs per call, median of {args.rounds} rounds",
+                  harness.table(["case", "us", "overhead us", "x torch alone"], [
+                      (k, f"{res['us'][k]:.1f}", f"{res['overhead_us'][k]:.1f}",
+                       f"{res['ratio_to_torch_alone'][k]:.3f}") for k in res["us"]])]
+        lines += [f"{k}: unavailable: {why}" for k, why in res["unavailable"].items()]
         lines.append(f"foreign overhead / pure_callback overhead: "
                      f"{res['overhead_foreign_over_pure_callback']:.3f}; control (torch alone) "
-                     f"{min(base):.1f}-{max(base):.1f} µs across rounds")
+                     f"{lo:.1f}-{hi:.1f} µs across rounds")
     text = "\n".join(lines)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"foreign-ab{args.tag}.txt"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, f"foreign-ab{args.tag}.json"), "w") as f:
-        json.dump({"env": env, "rounds": args.rounds, "results": results}, f, indent=1)
+    harness.save(os.path.join(args.out, f"foreign-ab{args.tag}.json"),
+                 {"env": env, "rounds": args.rounds, "results": results, "meta": harness.meta()})
+    harness.save(os.path.join(args.out, f"foreign-ab{args.tag}.txt"), text + "\n")
 
 
 if __name__ == "__main__":

@@ -10,22 +10,16 @@ stock JAX's own (small arrays: the host's cost per call).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import harness  # first: XLA's allocator setting, before jax loads
 
-import cupy as cp  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import cupy as cp
+import jax
+import jax.numpy as jnp
 
-import jax_overlay  # noqa: E402
-from jax_overlay import _imports, _strided  # noqa: E402
-from jax_overlay import _runtime as rt  # noqa: E402
-from jax_overlay import _xla_ext as ext  # noqa: E402
+import jax_overlay
+from _internals import _imports, _runtime as rt, _strided, _xla_ext as ext
 
 SIZES = [16 << 10, 4 << 20, 64 << 20, 256 << 20, 1 << 30]
 
@@ -37,44 +31,24 @@ def split(fn, repeats):
     calls, waits, totals = [], [], []
     for _ in range(repeats):
         cp.cuda.runtime.deviceSynchronize()
-        t0 = time.perf_counter()
+        t0 = harness.clock()
         r = fn()
-        t1 = time.perf_counter()
+        t1 = harness.clock()
         r.block_until_ready()
-        t2 = time.perf_counter()
+        t2 = harness.clock()
         del r
-        calls.append(t1 - t0)
-        waits.append(t2 - t1)
-        totals.append(t2 - t0)
+        calls.append((t1 - t0) / 1e9)
+        waits.append((t2 - t1) / 1e9)
+        totals.append((t2 - t0) / 1e9)
     return [statistics.median(v) for v in (calls, waits, totals)]
 
 
-def events(launch, stream, repeats):
-    """Median CUDA-event time of launch(stream)."""
-    launch(stream)
-    out = []
-    for _ in range(repeats):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(stream)
-        launch(stream)
-        b.record(stream)
-        b.synchronize()
-        out.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
-    return statistics.median(out)
-
-
 def each(fn, calls=2000):
-    """Median over 5 rounds of the mean host time of fn() (us)."""
+    """Median over 5 rounds of the mean host time of fn() (us), after 50
+    untimed calls; the device drained after each round."""
     for _ in range(50):
         fn()
-    out = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t) / calls * 1e6)
-        cp.cuda.runtime.deviceSynchronize()
-    return statistics.median(out)
+    return harness.median_per_call_us(fn, calls, 5, after_round=cp.cuda.runtime.deviceSynchronize)
 
 
 def parts():
@@ -127,12 +101,8 @@ def parts():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    env = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE",
-                                          "XLA_PYTHON_CLIENT_ALLOCATOR")}
+    args = harness.arguments(__doc__, json_file=True, repeats=15).parse_args()
+    env = harness.allocator()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {env}")
     double = jax.jit(lambda x: x * 2)
     rows = {"env": env, "sizes": {}, "parts_us": parts()}
@@ -142,7 +112,7 @@ def main():
         n = size // 4
         src, dst = cp.ones(n, cp.float32), cp.empty(n, cp.float32)
         stream = cp.cuda.Stream(non_blocking=True)
-        memcpy_ev = events(lambda s: cp.cuda.runtime.memcpyAsync(
+        memcpy_ev = harness.event_seconds(lambda s: cp.cuda.runtime.memcpyAsync(
             dst.data.ptr, src.data.ptr, size, cp.cuda.runtime.memcpyDeviceToDevice, s.ptr),
             stream, args.repeats)
         x = jnp.ones(n, jnp.float32)
@@ -163,9 +133,8 @@ def main():
             for k, (c, w, t) in got.items()))
         del src, dst, x, strided
         cp.get_default_memory_pool().free_all_blocks()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    rows["meta"] = harness.meta()
+    harness.save(args.json, rows)
 
 
 if __name__ == "__main__":

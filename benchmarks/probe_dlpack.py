@@ -6,31 +6,17 @@ wait on the host for a pending JAX array.  Run on a GPU machine:
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
+import harness  # first: XLA's allocator setting, before jax loads
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import cupy as cp
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
 
-import cupy as cp  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import torch  # noqa: E402
-from jax import lax  # noqa: E402
-
-import jax_overlay  # noqa: E402
-from jax_overlay import _dlpack as D  # noqa: E402
-from jax_overlay import _exports as E  # noqa: E402
-from jax_overlay import _runtime as rt  # noqa: E402
-from jax_overlay import _xla_ext as ext  # noqa: E402
-from jax_overlay._streams import cupy_stream  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
-from producers import JAX_N as N, jax_fill, spin_fill  # noqa: E402
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_cai_import import median_us  # noqa: E402
+import jax_overlay
+from _internals import (JAX_N as N, _dlpack as D, _exports as E, _runtime as rt, _xla_ext as ext,
+                        cupy_stream, jax_fill, spin_fill)
 
 
 def very_slow(k):
@@ -47,19 +33,17 @@ def constant_seeded(k):
 
 def ms_to_ready(fn, k):
     fn(k).block_until_ready()
-    t0 = time.perf_counter()
+    t0 = harness.clock()
     fn(k + 1.0).block_until_ready()
-    return round((time.perf_counter() - t0) * 1e3, 3)
+    return harness.since_ms(t0)
 
 
 def us(fn, arg):
-    return round(median_us(fn, arg, repeats=300, rounds=5), 2)
+    return round(harness.median_us(fn, arg, repeats=300, rounds=5), 2)
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--json")
-    args = p.parse_args()
+    args = harness.arguments(__doc__, json_file=True).parse_args()
     res = {}
     dev = jax.devices("cuda")[0]
     compute = rt.compute_stream(dev)
@@ -87,10 +71,10 @@ def main():
     jax_overlay.install()
     for name, fn in steps.items():
         x = very_slow(1.0)
-        t0 = time.perf_counter()
+        t0 = harness.clock()
         out = fn(x)
-        dt = (time.perf_counter() - t0) * 1e3
-        res[f"wait: {name}"] = {"ms": round(dt, 3), "ready after": x.is_ready(),
+        dt = harness.since_ms(t0)
+        res[f"wait: {name}"] = {"ms": dt, "ready after": x.is_ready(),
                                 "result": out if isinstance(out, bool) else None}
         x.block_until_ready()
     jax_overlay.uninstall()
@@ -98,10 +82,10 @@ def main():
     lags = []
     for _ in range(5):
         x = very_slow(2.0)
-        t0 = time.perf_counter()
-        while ext.stream_idle(0, compute) and time.perf_counter() - t0 < 1:
+        t0 = harness.clock()
+        while ext.stream_idle(0, compute) and harness.clock() - t0 < 1_000_000_000:
             pass
-        lags.append(round((time.perf_counter() - t0) * 1e6, 1))
+        lags.append(round((harness.clock() - t0) / 1e3, 1))
         x.block_until_ready()
     res["us from dispatch return until compute stream busy"] = lags
 
@@ -160,15 +144,15 @@ def main():
         keep, slow_calls = [], []
         stream, _ = make_busy()
         ctx = cstream if cstream is not None else torch.cuda.stream(ts)
-        t_all = time.perf_counter()
+        t_all = harness.clock()
         with ctx:
             for i in range(3000):
-                t0 = time.perf_counter()
+                t0 = harness.clock()
                 keep.append(call())
-                dt = time.perf_counter() - t0
-                if dt > 5e-3:
-                    slow_calls.append((i, round(dt * 1e3, 1)))
-        total = time.perf_counter() - t_all
+                dt = harness.clock() - t0
+                if dt > 5_000_000:
+                    slow_calls.append((i, round(dt / 1e6, 1)))
+        total = (harness.clock() - t_all) / 1e9
         busy_after = (not stream.done) if stream is cs else (not stream.query())
         stream.synchronize()
         res[f"inflight scan: {name}"] = {
@@ -212,11 +196,8 @@ def main():
             res[f"us: {name}"] = us(fn, arg)
         except Exception as e:  # noqa: BLE001
             res[f"us: {name}"] = f"fails: {type(e).__name__}: {str(e)[:160]}"
-    for k, v in res.items():
-        print(f"{k:<60} {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2, default=str)
+    print(harness.listing(res))
+    harness.save(args.json, dict(res, meta=harness.meta()))
 
 
 if __name__ == "__main__":

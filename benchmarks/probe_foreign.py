@@ -33,24 +33,20 @@ lone call waits beyond the work itself.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
-import json
-import os
 import pstats
 import statistics
-import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import harness  # first: XLA's allocator setting, before jax loads
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
 
-import jax_overlay  # noqa: E402
-from jax_overlay import _foreign  # noqa: E402
+import jax_overlay
+from _internals import _foreign
 
 # Time spent inside the Python callback, per case: what the mechanism costs
 # around it is the end-to-end time less this.
@@ -64,11 +60,11 @@ def _timed(name, cb):
         prof = _PROFILE[0] if _PROFILE else None
         if prof is not None:
             prof.enable()
-        t0 = time.perf_counter()
+        t0 = harness.clock()
         try:
             cb(*a)
         finally:
-            _INSIDE.setdefault(name + _MODE[0], []).append(time.perf_counter() - t0)
+            _INSIDE.setdefault(name + _MODE[0], []).append((harness.clock() - t0) / 1e9)
             if prof is not None:
                 prof.disable()
     return timed
@@ -163,18 +159,32 @@ def _chained(f):
     return step
 
 
+def _sample(f, wait, x, calls, mode, piped):
+    """One round of a case: µs per call, `calls` calls end to end (one at a
+    time), or dispatched back to back with one wait at the end (piped)."""
+    def sample():
+        _MODE[0] = mode
+        t0 = harness.clock()
+        if piped:
+            for _ in range(calls):
+                y = f(x)
+            wait(y)
+        else:
+            for _ in range(calls):
+                wait(f(x))
+        return (harness.clock() - t0) / calls / 1e3
+    return sample
+
+
 def main():
-    p = argparse.ArgumentParser()
+    p = harness.arguments(__doc__, json_file=True, rounds=15, calls=300)
     p.add_argument("--backend", choices=("cpu", "cpu-torch", "gpu"), default="cpu")
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--calls", type=int, default=300)
     p.add_argument("--n", type=int, default=1024)
     p.add_argument("--pipelined", action="store_true",
                    help="also time the calls dispatched back to back, one wait at the end")
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="then profile the foreign callback over CALLS calls")
     p.add_argument("--top", type=int, default=30)
-    p.add_argument("--json", default="", help="also write the table here")
     args = p.parse_args()
     x = jnp.linspace(-1, 1, args.n, dtype=jnp.float32)
     if args.backend != "gpu":
@@ -221,44 +231,28 @@ def main():
         for k in controls:
             ready[k] = lambda y: torch.cuda.synchronize()
     modes = {"": False, " pipelined": True} if args.pipelined else {"": False}
-    per = {k + m: [] for k in cases for m in modes}
     names = list(cases)
-    for r in range(args.rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            f, wait = cases[k], ready[k]
-            for m, piped in modes.items():
-                _MODE[0] = m
-                t0 = time.perf_counter()
-                if piped:  # dispatched back to back, one wait at the end
-                    for _ in range(args.calls):
-                        y = f(x)
-                    wait(y)
-                else:  # end to end, one at a time
-                    for _ in range(args.calls):
-                        wait(f(x))
-                per[k + m].append((time.perf_counter() - t0) / args.calls * 1e6)
+    samples = harness.alternate(
+        [harness.Arm(k + m, _sample(cases[k], ready[k], x, args.calls, m, piped), control=k in controls)
+         for k in cases for m, piped in modes.items()], args.rounds,
+        lambda r: [k + m for k in harness.rotated(names, r) for m in modes])
     _MODE[0] = ""
-    alloc = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE",
-                                           "XLA_PYTHON_CLIENT_ALLOCATOR",
-                                           "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+    alloc = harness.allocator()
     print(f"# {args.n} float32, {env}, {args.rounds} alternating rounds of {args.calls} calls "
           "(dispatch to ready; 'pipelined': back to back, one wait); 'x bare callback' is "
           "against the bare callback timed the same way; 'in Python' is the median time "
           "inside the callback; "
           f"allocator settings {alloc}")
-    print(f"{'case':40s} {'us':>8s} {'x bare callback':>16s} {'in Python us':>13s}")
-    report = {}
-    for k, ts in per.items():
-        base = per["bare buffer_callback" + (" pipelined" if k.endswith(" pipelined") else "")]
-        ratio = statistics.median(a / b for a, b in zip(ts, base))
-        inside = f"{statistics.median(_INSIDE[k]) * 1e6:13.1f}" if k in _INSIDE else f"{'-':>13s}"
-        print(f"{k:40s} {statistics.median(ts):8.1f} {ratio:16.2f} {inside}")
-        report[k] = {"us": statistics.median(ts), "x_bare": ratio,
-                     "in_python_us": statistics.median(_INSIDE[k]) * 1e6 if k in _INSIDE else None}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"elements": args.n, "env": env, "allocator": alloc, "rounds": args.rounds,
-                       "calls": args.calls, "cases": report}, f, indent=1)
+    report, rows = {}, []
+    for k, ts in samples.items():
+        ratio = harness.med(harness.ratios(
+            samples, k, "bare buffer_callback" + (" pipelined" if k.endswith(" pipelined") else "")))
+        inside = statistics.median(_INSIDE[k]) * 1e6 if k in _INSIDE else None
+        report[k] = {"us": harness.med(ts), "x_bare": ratio, "in_python_us": inside}
+        rows.append((k, f"{report[k]['us']:.1f}", f"{ratio:.2f}", "-" if inside is None else f"{inside:.1f}"))
+    print(harness.table(["case", "us", "x bare callback", "in Python us"], rows))
+    harness.save(args.json, {"elements": args.n, "env": env, "allocator": alloc, "rounds": args.rounds,
+                             "calls": args.calls, "cases": report, "meta": harness.meta()})
     if args.profile:
         # Where the foreign callback's own time goes (cProfile inflates it;
         # the shares are what matter).

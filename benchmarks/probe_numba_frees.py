@@ -24,22 +24,20 @@ process, in this order:
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import gc
-import os
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import harness  # first: XLA's allocator setting, before jax loads
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from numba import cuda  # noqa: E402
-from numba.core import config as numba_config  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numba import cuda
+from numba.core import config as numba_config
 
-import jax_overlay  # noqa: E402
-from jax_overlay import _xla_ext as ext  # noqa: E402
+import jax_overlay
+from _internals import _xla_ext as ext
 
 HOST = (np.arange(128) % 7).astype(np.int16).reshape(8, 16)
 
@@ -161,7 +159,7 @@ def phase(name, trials, imp, read, log, context=contextlib.nullcontext, detail=4
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = harness.arguments(__doc__)
     p.add_argument("--trials", type=int, default=150)
     args = p.parse_args()
     gpu = jax.devices("cuda")[0]

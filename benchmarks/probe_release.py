@@ -17,29 +17,26 @@ on the calling thread.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import harness  # first: XLA's allocator setting, before jax loads
 
-import cupy as cp  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import torch  # noqa: E402
+import cupy as cp
+import jax
+import jax.numpy as jnp
+import torch
 
-import jax_overlay  # noqa: E402
+import jax_overlay
 
 N_ITEMS = 1024
 PARTS = ("import", "copy dispatch", "copy of a fresh import", "drop, in flight", "drop, ready")
+SIDES = {"stock": jax_overlay.uninstall, "installed": jax_overlay.install}
 
 
 def one_side(a, calls):
     """Median µs per part over `calls` calls on the side installed now."""
     got = {k: [] for k in PARTS}
-    clock = time.perf_counter_ns
+    clock = harness.clock
     for i in range(calls):
         ready = i % 2 == 1  # alternate the two drops within the side
         t0 = clock()
@@ -70,39 +67,27 @@ def one_side(a, calls):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--json", default="")
-    args = p.parse_args()
+    args = harness.arguments(__doc__, json_file=True, rounds=15, calls=200).parse_args()
     src = {"cupy": cp.arange(N_ITEMS, dtype=cp.float32),
            "torch": torch.arange(N_ITEMS, dtype=torch.float32, device="cuda")}
-    per = {(lib, side, k): [] for lib in src for side in ("stock", "installed") for k in PARTS}
-    for side in (jax_overlay.uninstall, jax_overlay.install):  # warm both
-        side()
-        for a in src.values():
-            one_side(a, 20)
-    for r in range(args.rounds):
-        order = ("stock", "installed") if r % 2 == 0 else ("installed", "stock")
-        for lib, a in src.items():
-            for side in order:
-                (jax_overlay.uninstall if side == "stock" else jax_overlay.install)()
-                for k, us in one_side(a, args.calls).items():
-                    per[(lib, side, k)].append(us)
-    jax_overlay.uninstall()
-    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, cupy {cp.__version__}, "
-          f"torch {torch.__version__}; {args.rounds} alternating rounds of {args.calls} calls; "
-          "µs, median of the rounds' medians")
-    print(f"{'producer':8s} {'part':24s} {'stock':>8s} {'installed':>10s}")
-    report = {}
+    arms = [harness.Arm((lib, side), lambda a=a: one_side(a, args.calls), setup=setup,
+                        warm=lambda a=a: one_side(a, 20))
+            for lib, a in src.items() for side, setup in SIDES.items()]
+    try:
+        samples = harness.alternate(arms, args.rounds, lambda r: harness.paired(src, SIDES, r))
+    finally:
+        jax_overlay.uninstall()
+    report, rows = {}, []
     for lib in src:
         for k in PARTS:
-            s, i = (statistics.median(per[(lib, side, k)]) for side in ("stock", "installed"))
+            s, i = (statistics.median(got[k] for got in samples[(lib, side)]) for side in SIDES)
             report[f"{lib} {k}"] = {"stock_us": s, "installed_us": i}
-            print(f"{lib:8s} {k:24s} {s:8.2f} {i:10.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            rows.append((lib, k, f"{s:.2f}", f"{i:.2f}"))
+    meta = harness.meta(rounds=args.rounds, calls=args.calls, items=N_ITEMS)
+    print(f"# {meta['device']}, jax {jax.__version__}, cupy {cp.__version__}, torch {torch.__version__}; "
+          f"{args.rounds} alternating rounds of {args.calls} calls; µs, median of the rounds' medians")
+    print(harness.table(["producer", "part", "stock", "installed"], rows))
+    harness.save(args.json, dict(report, meta=meta))
 
 
 if __name__ == "__main__":

@@ -9,28 +9,25 @@ import.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+import harness  # first: XLA's allocator setting, before jax loads
+
+sys.path.insert(0, harness.ROOT)  # this tree's jax_overlay, as run_all.py measures it
 
 import cupy as cp  # noqa: E402
 
 import jax_overlay  # noqa: E402
-from jax_overlay import _runtime as rt  # noqa: E402
-from jax_overlay import _xla_ext as ext  # noqa: E402
-from bench_cai_import import median_us  # noqa: E402
+from _internals import _runtime as rt, _xla_ext as ext  # noqa: E402
+
+
+def median_us(fn, arg):
+    harness.warm(fn, arg)
+    return round(harness.median_us(fn, arg), 2)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json")
-    args = p.parse_args(argv)
+    args = harness.arguments(__doc__, json_file=True).parse_args(argv)
     a = cp.arange(1 << 20, dtype=cp.float32)
     s = cp.cuda.Stream(non_blocking=True)
     dev = rt.gpu_device(a.device.id)
@@ -51,9 +48,7 @@ def main(argv=None):
             lambda o: o.__dlpack__(stream=compute, max_version=(1, 1)), lambda: a),
     }
     for name, (fn, arg) in cases.items():
-        for _ in range(50):
-            fn(arg())
-        out[name] = round(median_us(fn, arg), 2)
+        out[name] = median_us(fn, arg)
     with s:
         for name, fn in {
                 "from_cuda_array_interface(a), in the user stream's context": jax_overlay.from_cuda_array_interface,
@@ -62,14 +57,10 @@ def main(argv=None):
                     lambda o: o.__dlpack__(stream=compute, max_version=(1, 1)),
                 "CuPy a.__cuda_array_interface__, in the user stream's context":
                     lambda o: o.__cuda_array_interface__}.items():
-            for _ in range(50):
-                fn(a)
-            out[name] = round(median_us(fn, lambda: a), 2)
-    for k, v in out.items():
-        print(f"{k:<62} {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            out[name] = median_us(fn, lambda: a)
+    print(harness.listing(out, ("case", "us")))
+    out["meta"] = harness.meta()
+    harness.save(args.json, out)
 
 
 if __name__ == "__main__":

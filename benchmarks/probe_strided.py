@@ -13,29 +13,15 @@ on layouts of a given size.  GB/s of bytes delivered, median of repeats:
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import time
+import harness  # first: XLA's allocator setting, before jax loads
 
 import cupy as cp
 import jax
 
 import jax_overlay
-from jax_overlay import _imports, _strided
-from jax_overlay import _xla_ext as ext
+from _internals import _imports, _strided, _xla_ext as ext
 
 PIPELINE = 8
-
-
-def seconds(fn, repeats):
-    fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def kernel_alone(v, repeats):
@@ -52,17 +38,11 @@ def kernel_alone(v, repeats):
     out = cp.empty(v.shape, v.dtype)
     stream = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeats + 1):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        ext.launch_strided_copy(plan, count, out.data.ptr, base, stream.ptr)
-        stop.record(stream)
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    took = harness.event_seconds(
+        lambda s: ext.launch_strided_copy(plan, count, out.data.ptr, base, s.ptr), stream, repeats)
     if not bool(cp.array_equal(out, v)):
         raise AssertionError("the kernel alone copied wrong data")
-    return v.size * item / statistics.median(times[1:]) / 1e9
+    return v.size * item / took / 1e9
 
 
 def layouts(n):
@@ -79,10 +59,8 @@ def layouts(n):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = harness.arguments(__doc__, json_file=True, repeats=15)
     ap.add_argument("--mib", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--json")
     args = ap.parse_args()
     n = args.mib * 2**20 // 4
     src = cp.ones(n, cp.float32)
@@ -94,8 +72,8 @@ def main():
                                         cp.cuda.runtime.memcpyDeviceToDevice, 0)
         cp.cuda.runtime.streamSynchronize(0)
 
-    d2d = n * 4 / seconds(memcpy, args.repeats) / 1e9
-    d2d_pipe = PIPELINE * n * 4 / seconds(lambda: memcpy(PIPELINE), args.repeats) / 1e9
+    d2d = n * 4 / harness.seconds(memcpy, args.repeats) / 1e9
+    d2d_pipe = PIPELINE * n * 4 / harness.seconds(lambda: memcpy(PIPELINE), args.repeats) / 1e9
     del src, dst
     print(f"{jax.devices()[0].device_kind}, {args.mib} MiB delivered; memcpy {d2d:.0f} GB/s "
           f"synchronised, {d2d_pipe:.0f} GB/s pipelined ({PIPELINE} then one wait)")
@@ -114,8 +92,8 @@ def main():
                 def pipelined():
                     for x in [imp(v) for _ in range(PIPELINE)]:
                         x.block_until_ready()
-                got[route] = size / seconds(one, args.repeats) / 1e9
-                got[route + " pipelined"] = PIPELINE * size / seconds(pipelined, args.repeats) / 1e9
+                got[route] = size / harness.seconds(one, args.repeats) / 1e9
+                got[route + " pipelined"] = PIPELINE * size / harness.seconds(pipelined, args.repeats) / 1e9
             except Exception as err:  # noqa: BLE001
                 got[route] = got[route + " pipelined"] = None
                 print(f"  {name}: {route} failed: {type(err).__name__}: {err}"[:300])
@@ -130,9 +108,8 @@ def main():
               f"{pct('kernel pipelined', d2d_pipe)}, gather {pct('gather pipelined', d2d_pipe)}")
         del v
         cp.get_default_memory_pool().free_all_blocks()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    rows["meta"] = harness.meta()
+    harness.save(args.json, rows)
 
 
 if __name__ == "__main__":

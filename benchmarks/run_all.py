@@ -11,7 +11,7 @@ docs/PERFORMANCE.md (and, summarised, in the README).  `--json PATH` writes the 
 * latency matrix: imports into JAX from CuPy, PyTorch and Numba and exports to
   each, over the CAI and DLPack: stock JAX vs jax_overlay vs the peers' own
   conversions, idle producers, in one process; median of 7 round means of
-  500 calls (bench_cai_import.median_us);
+  500 calls (harness.median_us);
 * idle vs in flight: every in-flight round starts behind a fresh kernel on
   the producer's stream (a JAX computation for exports); then, behind one
   long kernel, each call is timed on its own: the longest call, and whether
@@ -31,23 +31,20 @@ About two minutes on an H200.  Every measurement that fails is recorded as
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import functools
 import gc
 import importlib
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [HERE, ROOT]
+import harness  # first: XLA's allocator setting, before jax loads
+from harness import REPEATS, ROUND_MEANS, ROUNDS, log, median_us
+
+sys.path.insert(0, harness.ROOT)  # this tree's jax_overlay: the results carry its source digest
 
 import cupy as cp  # noqa: E402
 import cupyx  # noqa: E402
@@ -57,15 +54,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_overlay  # noqa: E402
-from jax_overlay import _runtime as rt  # noqa: E402
-from jax_overlay import _testing  # noqa: E402
-from jax_overlay import _xla_ext as ext  # noqa: E402
 from jax_overlay import doctor  # noqa: E402
-from jax_overlay._producers import jax_fill, spin_fill, torch_sleep  # noqa: E402
-from jax_overlay._streams import cupy_stream  # noqa: E402
 
 import report  # noqa: E402
-from bench_cai_import import REPEATS, ROUND_MEANS, ROUNDS, median_us  # noqa: E402
+from _cai import HostCAI  # noqa: E402
+from _internals import _runtime as rt, _xla_ext as ext, cupy_stream, jax_fill, spin_fill, torch_sleep  # noqa: E402
 
 N = 1 << 20             # float32 elements of the latency matrix's arrays (4 MiB)
 ROUND_MS = 150          # the producer's kernel before each in-flight round
@@ -74,10 +67,6 @@ PROBE_CALLS = 500       # CuPy's own __dlpack__ blocks after ~1021 pending syncs
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 4 << 20, 64 << 20, 256 << 20, 1 << 30]
 COPY_SIZES = [s for s in SIZES if s >= 1 << 10]
 SIZE_REPEATS, SIZE_ROUNDS = 200, 5
-
-
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _optional(name):
@@ -182,8 +171,7 @@ class Run:
         e = {"group": group, "direction": direction, "who": who, "call": call, "us": None, "error": None}
         _installed(_uses_install(direction, who))
         try:
-            for _ in range(50):
-                fn(make_arg())
+            harness.warm(fn, make_arg)
             e["us"] = round(median_us(fn, make_arg), 2)
         except Exception as err:  # noqa: BLE001 - a failing call is a finding
             e["error"] = f"fails: {doctor.describe(err)}"
@@ -202,8 +190,7 @@ class Run:
         try:
             with context if context is not None else contextlib.nullcontext():
                 busy.wait()
-                for _ in range(50):
-                    fn(make_arg())
+                harness.warm(fn, make_arg)
                 e["idle_us"] = round(median_us(fn, make_arg), 2)
                 flags = []
 
@@ -236,8 +223,7 @@ class Run:
     def floor(self, part, name, fn, make_arg, **hooks):
         f = {"part": part, "name": name, "us": None, "error": None}
         try:
-            for _ in range(50):
-                fn(make_arg())
+            harness.warm(fn, make_arg)
             f["us"] = round(median_us(fn, make_arg, **hooks), 2)
         except Exception as err:  # noqa: BLE001
             f["error"] = f"fails: {doctor.describe(err)}"
@@ -458,19 +444,6 @@ def _free():
     cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
-def _seconds(op, repeats):
-    """Median wall time of `op` (which waits for its own completion), after
-    a first, untimed call; the device is idle before each."""
-    op()
-    times = []
-    for _ in range(repeats):
-        cp.cuda.runtime.deviceSynchronize()
-        t0 = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _check(cond, what):
     if not cond:
         raise AssertionError(what)
@@ -498,8 +471,7 @@ def sizes(run):
         for name, (fn, which) in zc.items():
             arg = args[which]
             try:
-                for _ in range(20):
-                    fn(arg)
+                harness.warm(fn, lambda: arg, 20)
                 v = round(median_us(fn, lambda: arg, repeats=SIZE_REPEATS, rounds=SIZE_ROUNDS), 2)
             except Exception as err:  # noqa: BLE001
                 v = None
@@ -583,7 +555,7 @@ def _copies(size, repeats, on_device, run):
             _check(r.unsafe_buffer_pointer() != strided.data.ptr, f"{route.__name__} did not copy")
         r = copy_true()
         _check(r.unsafe_buffer_pointer() != src.data.ptr, "copy=True did not copy")
-        host_view = jax_overlay.from_cuda_array_interface(_testing.HostCAI(pinned))
+        host_view = jax_overlay.from_cuda_array_interface(HostCAI(pinned))
         _check(host_view.sharding.memory_kind == "pinned_host"
                and host_view.unsafe_buffer_pointer() == pinned.ctypes.data,
                f"pinned import is not a pinned_host view ({host_view.sharding.memory_kind})")
@@ -605,26 +577,14 @@ def _copies(size, repeats, on_device, run):
                             (report.STRIDED_GATHER_B2B, b2b(strided_gather, report.PIPELINE), report.PIPELINE),
                             (report.COPY_TRUE_B2B, b2b(copy_true, report.PIPELINE), report.PIPELINE)):
         try:
-            gbps[name] = round(times * size / _seconds(op, repeats) / 1e9, 2)
+            seconds = harness.seconds(op, repeats, before=cp.cuda.runtime.deviceSynchronize)  # device idle
+            gbps[name] = round(times * size / seconds / 1e9, 2)
         except Exception as err:  # noqa: BLE001
             run.errors.append(f"{name} at {size} B: {doctor.describe(err)}")
     return gbps
 
 
 # --- results ------------------------------------------------------------------
-
-def _git():
-    try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"],
-                              capture_output=True, text=True, timeout=20)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=20).stdout.strip()
-        return head.stdout.strip() + ("+uncommitted changes" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
 
 def meta(seconds):
     env = doctor.environment()
@@ -636,8 +596,8 @@ def meta(seconds):
         "jax": env["jax"], "jaxlib": env["jaxlib"], "jax_cuda_plugin": env["jax_cuda_plugin"],
         "cupy": cp.__version__, "torch": torch.__version__ if torch is not None else None,
         "numba": env["numba"], "numpy": np.__version__, "python": env["python"],
-        "jax_overlay": jax_overlay.__version__, "git": _git(),
-        "source_digest": report.source_digest(ROOT),
+        "jax_overlay": jax_overlay.__version__, "git": harness.git_rev(),
+        "source_digest": report.source_digest(harness.ROOT),
         "statistic": (f"latency: median of {ROUNDS} round means of {REPEATS} calls; sizes: median of "
                       f"{SIZE_ROUNDS} round means of {SIZE_REPEATS} calls; copies: median of 5-30 "
                       "timed, synchronised copies"),
@@ -646,7 +606,7 @@ def meta(seconds):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.arguments(__doc__)
     p.add_argument("--out", help="folder for <gpu>-<date>.json and .png "
                                  "(default benchmarks/results, unless --json is given)")
     p.add_argument("--json", help="results file; the chart goes to its .png")
@@ -682,13 +642,11 @@ def main():
     if args.json:
         paths.append(args.json)
     if args.out or not args.json:
-        folder = args.out or os.path.join(HERE, "results")
+        folder = args.out or os.path.join(harness.HERE, "results")
         os.makedirs(folder, exist_ok=True)
         paths.append(os.path.join(folder, report.results_stem(results["meta"]) + ".json"))
     for path in paths:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-            f.write("\n")
+        harness.save(path, results)
         try:
             why = report.chart(results, os.path.splitext(path)[0] + ".png")
         except Exception as err:  # noqa: BLE001 - the numbers are saved already

@@ -45,10 +45,12 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:  # loaded by its path too (tests/): its helpers sit beside it
+    sys.path.append(HERE)
+
+import harness  # noqa: E402 - first: XLA's allocator setting, before jax loads
 
 # What a trial can draw.  Values are small integers, exact in every dtype
 # (int8 and bfloat16 included), and never equal across roles.
@@ -142,15 +144,9 @@ def summarize(path, trials, codes, busy, seconds):
 
 
 def table(report):
-    rows = [("path", "trials", "in flight", "stale", "reused", "other", "s")]
-    for name, r in list(report["paths"].items()) + list(report["controls"].items()):
-        rows.append((name, r["trials"], r["in_flight"], r["stale"], r["reused"],
-                     r["other"], r["seconds"]))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w)
-                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return harness.table(["path", "trials", "in flight", "stale", "reused", "other", "s"], [
+        (name, r["trials"], r["in_flight"], r["stale"], r["reused"], r["other"], r["seconds"])
+        for name, r in list(report["paths"].items()) + list(report["controls"].items())])
 
 
 # --- the GPU side ----------------------------------------------------------
@@ -166,11 +162,8 @@ class Gpu:
         import numpy as np
 
         sys.path.insert(0, ROOT)
-        sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
         import jax_overlay
-        from jax_overlay import _runtime
-        from jax_overlay._streams import cupy_stream
-        from producers import spin_fill
+        from _internals import _runtime, cupy_stream, spin_fill
 
         self.x64 = jax.config.jax_enable_x64
         jax.config.update("jax_enable_x64", True)  # int64/float64 stay 64-bit
@@ -311,7 +304,7 @@ class Gpu:
     def import_trials(self, path, trials, ordered=True):
         """Codes and in-flight flags of import trials (`ordered=False`: the
         control, the CAI stream dropped)."""
-        from producers import WithStream
+        from _cai import WithStream
         jax, jnp, overlay = self.jax, self.jnp, self.jax_overlay
         codes, busy, keep = [], [], []
         for t in trials:
@@ -504,13 +497,8 @@ def _run_path(gpu, path, todo, batch, ordered, on_batch=None, deadline=None):
 
 
 def versions():
-    out = {"python": platform.python_version(), "machine": platform.node()}
-    for mod in ("jax", "jaxlib", "cupy", "torch", "numba", "numba_cuda", "numpy"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            pass
-    return out
+    return harness.meta(imports=("jax", "jaxlib", "cupy", "torch", "numba", "numba_cuda"),
+                        machine=platform.node())
 
 
 def main(argv=None):
