@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jax_overlay
-from _internals import _exports, _xla_ext as ext
+from _internals import _runtime as rt, _xla_ext as ext
 
 
 def median_us(fn, make_arg):
@@ -50,7 +50,7 @@ def main():
         "floor: x.is_ready()": lambda a: a.is_ready(),
         "floor: x.dtype": lambda a: a.dtype,
         "floor: x.shape": lambda a: a.shape,
-        "floor: layout -> strides": lambda a: _exports._strides(a, 4),
+        "floor: layout -> strides": lambda a: rt.byte_strides(a, 4),
         "floor: x._pjrt_layout": lambda a: getattr(a, "_pjrt_layout", None),
     }
     for name, fn in floors.items():

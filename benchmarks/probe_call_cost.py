@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_overlay
-from _internals import _imports, _runtime as rt, _strided, _xla_ext as ext
+from _internals import _cai, _runtime as rt, _strided, _xla_ext as ext
 
 SIZES = [16 << 10, 4 << 20, 64 << 20, 256 << 20, 1 << 30]
 
@@ -56,7 +56,8 @@ def parts():
     cost of a step does not depend on the size)."""
     v = cp.ones((16, 256), cp.float32)[:, ::2]
     cai = v.__cuda_array_interface__
-    cap, view, dl_type, ordinal, range_start, alignment, busy = ext.plan_cai_import(cai, v, False)
+    plan = ext.plan_cai_import(cai, v, False)
+    view, ordinal, range_start, dl_type = plan.view, plan.ordinal, plan.range_start, plan.device_type
     device = rt.gpu_device(ordinal)
     base, count, unit, offset = _strided.plan(view.data, view.low, view.span, view.itemsize,
                                               range_start, _strided.GPU_ALIGNMENT)
@@ -73,7 +74,7 @@ def parts():
     rows = {
         "whole import": lambda: jax_overlay.from_cuda_array_interface(v),
         "plan_cai_import": lambda: ext.plan_cai_import(cai, v, False),
-        "order_after": lambda: _imports._order(view, ordinal, device),
+        "order_after": lambda: _cai._compute_waits(view, ordinal, device),
         "raw_capsule": capsule,
         "capsule + jaxlib import": lambda: rt.capsule_to_array(capsule(), device, None, None,
                                                                dl_type),

@@ -15,7 +15,7 @@ import torch
 from jax import lax
 
 import jax_overlay
-from _internals import (JAX_N as N, _dlpack as D, _exports as E, _runtime as rt, _xla_ext as ext,
+from _internals import (JAX_N as N, _cai as C, _dlpack as D, _dlpack as E, _runtime as rt, _xla_ext as ext,
                         cupy_stream, jax_fill, spin_fill)
 
 
@@ -63,7 +63,7 @@ def main():
         "_pjrt_layout": lambda x: x._pjrt_layout,
         "to_dlpack(stream=-1)": lambda x: E.to_dlpack(x, stream=-1),
         "to_dlpack(stream=1)": lambda x: E.to_dlpack(x, stream=1),
-        "cai property (installed)": lambda x: E.cuda_array_interface(x),
+        "cai property (installed)": lambda x: C.cuda_array_interface(x),
         "jaxlib export stream=1": lambda x: rt.order_stream_after(x, 1),
         "torch.from_dlpack installed": lambda x: torch.from_dlpack(x),
         "cupy.from_dlpack installed": lambda x: cp.from_dlpack(x),

@@ -102,7 +102,7 @@ def _as_int(handle):
 
 def _info(ptr):
     try:
-        return ext.pointer_info(ptr)[0]
+        return ext.pointer_info(ptr).kind
     except Exception as e:  # noqa: BLE001 - reported as is
         return f"{type(e).__name__}"
 

@@ -19,7 +19,7 @@ import cupy as cp
 import jax
 
 import jax_overlay
-from _internals import _imports, _strided, _xla_ext as ext
+from _internals import _strided, _view, _xla_ext as ext
 
 PIPELINE = 8
 
@@ -29,7 +29,7 @@ def kernel_alone(v, repeats):
     when the kernel does not take the layout."""
     spec = ext.parse_cai(v.__cuda_array_interface__)  # the layout the import sees
     item = spec.itemsize
-    strides = spec.strides if spec.strides is not None else _imports._row_major(v.shape)
+    strides = spec.strides if spec.strides is not None else _view._row_major(v.shape)
     base, count, unit, offset = _strided.plan(spec.data, spec.low, spec.span, item, 0,
                                               _strided.GPU_ALIGNMENT)
     plan = _strided.kernel_plan(v.shape, [s * (item // unit) for s in strides], offset, item, unit)

@@ -26,9 +26,9 @@ NUMPY_DTYPES = frozenset(np.dtype(t) for t in (
     np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
     np.complex128))
 
-# What a zero-copy view of device memory needs of its pointer (XLA's GPU
-# code assumes 16-byte aligned entry parameters): the native core's rule.
-GPU_ALIGNMENT = ext.GPU_ALIGNMENT
+# What a zero-copy view of device memory needs of its pointer: the native
+# core's rule, as the strided copy reads it.
+GPU_ALIGNMENT = _strided.GPU_ALIGNMENT
 
 
 def empty(shape, dtype, target):
