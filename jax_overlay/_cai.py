@@ -44,14 +44,8 @@ def _check(x):
             "the JAX array was deleted or donated: its buffer is gone, so it has "
             "no __cuda_array_interface__"), AttributeError)
     rt.check_live(x)
-    devices = x.sharding.device_set
-    if len(devices) != 1:
-        raise AttributeError(
-            f"__cuda_array_interface__ is only supported for unsharded arrays. "
-            f"It describes one buffer, but this array is sharded over "
-            f"{len(devices)} devices; export each shard instead: "
-            f"{rt.PER_SHARD}.__cuda_array_interface__")
-    device = next(iter(devices))
+    rt.check_one_buffer(x, "__cuda_array_interface__", AttributeError)
+    device = next(iter(x.sharding.device_set))
     if device.platform != "gpu" and not (_allow_host and device.platform == "cpu"):
         raise AttributeError(
             f"__cuda_array_interface__ is only defined for NVidia GPU buffers. "

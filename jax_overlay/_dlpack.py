@@ -108,13 +108,7 @@ def _dl_check(x):
             "the JAX array was deleted or donated: its buffer is gone, so it has "
             "no __dlpack__")
     rt.check_live(x)
-    devices = x.sharding.device_set
-    if len(devices) != 1:
-        raise BufferError(
-            f"__dlpack__ is only supported for unsharded arrays. "
-            f"It describes one buffer, but this array is sharded over "
-            f"{len(devices)} devices; export each shard instead: "
-            f"{rt.PER_SHARD}.__dlpack__")
+    rt.check_one_buffer(x, "__dlpack__", BufferError)
 
 
 def _dl_enum(code):

@@ -216,33 +216,45 @@ def _placeable(device, kwargs):
             and kwargs.get("out_sharding") is None)
 
 
+def _constructor(a, copy, device, kwargs, reads_cai, call, finish):
+    """The one flow of jnp.asarray and jnp.array.  `call(x, device)` is
+    JAX's own function with the caller's other arguments; `finish(view,
+    copied)` hands it a peer array's import, already placed.  `reads_cai()`
+    says, for a NumPy subclass only, whether stock reads its CAI
+    (_reads_cai); NumPy arrays themselves go to JAX before it is asked."""
+    if type(a) in _JAX_NATIVE or not _placeable(device, kwargs):
+        return call(a, device)
+    # Stock's CAI import raises jaxlib's runtime error for what it refuses.
+    hit = _peer_array(a, copy, JaxRuntimeError,
+                      not isinstance(a, np.ndarray) or reads_cai())
+    if hit is None:
+        return call(a, device)
+    if type(hit) is _Refused:
+        return _stock_after(hit, lambda: call(a, device))
+    view, copied = hit
+    if device is not None:
+        # Placed first: JAX's asarray/array cannot move a committed array.
+        view, copied = _move(view, copied, device, copy)
+    return finish(view, copied)
+
+
 def _asarray(orig):
     @functools.wraps(orig)
     def asarray(a, dtype=None, order=None, *, copy=None, device=None, **kwargs):
-        if not _placeable(device, kwargs):
+        if type(a) in _JAX_NATIVE:  # the common calls, without the closures below
             return orig(a, dtype, order, copy=copy, device=device, **kwargs)
-        # Stock's CAI import raises jaxlib's runtime error for what it refuses.
-        # Only a NumPy subclass asks _reads_cai (_peer_array passes NumPy
-        # arrays themselves to JAX before it looks at cai_first).
-        hit = _peer_array(a, copy, JaxRuntimeError, type(a) is np.ndarray
-                       or not isinstance(a, np.ndarray) or _reads_cai(
-                           a, dtype, bool(copy), device, out_sharding=kwargs.get("out_sharding"),
-                           refuse=copy is False))
-        if hit is None:
-            return orig(a, dtype, order, copy=copy, device=device, **kwargs)
-        if type(hit) is _Refused:
-            return _stock_after(hit, lambda: orig(a, dtype, order, copy=copy, device=device,
-                                                  **kwargs))
-        view, copied = hit
-        if device is not None:
-            view, copied = _move(view, copied, device, copy)
-            device = None
-        if dtype is None and order is None and not kwargs and not copy:
-            return view  # exactly what JAX returns for a JAX array here
-        # The import's dtype as it is: stock JAX's CAI import keeps 64-bit
-        # data 64-bit in 32-bit mode too, and so does JAX for a JAX array.
-        return orig(view, dtype, order, copy=None if copied else copy,
-                    device=device, **kwargs)
+
+        def finish(view, copied):
+            if dtype is None and order is None and not kwargs and not copy:
+                return view  # exactly what JAX returns for a JAX array here
+            # The import's dtype as it is: stock JAX's CAI import keeps 64-bit
+            # data 64-bit in 32-bit mode too, and so does JAX for a JAX array.
+            return orig(view, dtype, order, copy=None if copied else copy, **kwargs)
+        return _constructor(
+            a, copy, device, kwargs,
+            lambda: _reads_cai(a, dtype, bool(copy), device, out_sharding=kwargs.get("out_sharding"),
+                               refuse=copy is False),
+            lambda x, d: orig(x, dtype, order, copy=copy, device=d, **kwargs), finish)
     return asarray
 
 
@@ -250,26 +262,20 @@ def _array(orig):
     @functools.wraps(orig)
     def array(object, dtype=None, *, copy=True, order="K", ndmin=0,
               device=None, **kwargs):
-        if not _placeable(device, kwargs):  # as in asarray
-            return orig(object, dtype, copy=copy, order=order, ndmin=ndmin,
-                        device=device, **kwargs)
-        hit = _peer_array(object, copy, JaxRuntimeError,  # as in asarray
-                       type(object) is np.ndarray or not isinstance(object, np.ndarray)
-                       or _reads_cai(object, dtype, copy, device, ndmin, kwargs.get("out_sharding")))
-        if hit is None:
-            return orig(object, dtype, copy=copy, order=order, ndmin=ndmin,
-                        device=device, **kwargs)
-        if type(hit) is _Refused:
-            return _stock_after(hit, lambda: orig(object, dtype, copy=copy, order=order,
-                                                  ndmin=ndmin, device=device, **kwargs))
-        view, copied = hit
-        if device is not None:  # placed first, as in asarray above
-            view, copied = _move(view, copied, device, copy)
-            device = None
-        # dtype=None keeps the import's dtype, as stock JAX does (see asarray).
-        # A GPU-side copy already made a fresh buffer: JAX need not copy again.
-        return orig(view, dtype, copy=False if copied else copy, order=order,
-                    ndmin=ndmin, device=device, **kwargs)
+        if type(object) in _JAX_NATIVE:  # as in asarray
+            return orig(object, dtype, copy=copy, order=order, ndmin=ndmin, device=device, **kwargs)
+
+        def finish(view, copied):
+            # dtype=None keeps the import's dtype, as stock JAX does (see
+            # asarray).  A GPU-side copy already made a fresh buffer: JAX
+            # need not copy again.
+            return orig(view, dtype, copy=False if copied else copy, order=order,
+                        ndmin=ndmin, **kwargs)
+        return _constructor(
+            object, copy, device, kwargs,
+            lambda: _reads_cai(object, dtype, copy, device, ndmin, kwargs.get("out_sharding")),
+            lambda x, d: orig(x, dtype, copy=copy, order=order, ndmin=ndmin, device=d, **kwargs),
+            finish)
     return array
 
 

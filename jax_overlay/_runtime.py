@@ -223,6 +223,18 @@ PER_SHARD = ("jax_overlay.to_shards(x) gives each addressable shard's device, "
              "shard.data")
 
 
+def check_one_buffer(x, protocol: str, error: type) -> None:
+    """`error` naming `protocol` where `x` is sharded: the whole-array
+    protocols describe one buffer, and to_shards gives each shard's."""
+    devices = x.sharding.device_set
+    if len(devices) != 1:
+        raise error(
+            f"{protocol} is only supported for unsharded arrays. "
+            f"It describes one buffer, but this array is sharded over "
+            f"{len(devices)} devices; export each shard instead: "
+            f"{PER_SHARD}.{protocol}")
+
+
 def check_live(x):
     """TypeError for anything but a concrete jax.Array, BufferError for a
     deleted or donated one: what every export checks first."""

@@ -70,9 +70,6 @@ class Foreign(GpuAdapter):
         finally:
             device.__exit__(None, None, None)
 
-    def np_dtype(self, view):
-        return view.dtype
-
     def empty(self, shape, dtype):
         return self.cupy.empty(shape, dtype)
 

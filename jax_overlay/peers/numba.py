@@ -77,9 +77,6 @@ class Foreign(GpuAdapter):
         finally:
             gpu.__exit__(None, None, None)
 
-    def np_dtype(self, view):
-        return view.dtype
-
     def empty(self, shape, dtype):
         return self.cuda.device_array(shape, dtype)
 
