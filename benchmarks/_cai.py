@@ -1,20 +1,10 @@
 """CUDA Array Interface wrappers the benchmarks hand to imports: another
 array's CAI with a chosen stream, and host memory exported as a GPU producer
-would (the benchmarks' own copies: nothing here reaches into tests/)."""
+would; nothing here reaches into tests/."""
 
 from __future__ import annotations
 
-
-class WithStream:
-    """Re-exports another array's CAI with a chosen v3 stream."""
-
-    def __init__(self, base, stream):
-        self.base = base
-        self.cai = dict(base.__cuda_array_interface__, version=3, stream=stream)
-
-    @property
-    def __cuda_array_interface__(self):
-        return self.cai
+from jax_overlay.doctor.producers import WithStream  # noqa: F401  (the suite's too)
 
 
 class HostCAI:

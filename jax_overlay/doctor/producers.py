@@ -113,3 +113,15 @@ def aligned_empty(shape, dtype, alignment=256):
     buf = np.empty(n + alignment, np.uint8)
     off = (-buf.ctypes.data) % alignment
     return buf[off:off + n].view(dtype).reshape(shape)
+
+
+class WithStream:
+    """Re-exports another array's CAI with a chosen v3 stream."""
+
+    def __init__(self, base, stream):
+        self.base = base
+        self.cai = dict(base.__cuda_array_interface__, version=3, stream=stream)
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.cai

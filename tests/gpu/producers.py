@@ -15,19 +15,7 @@ import pytest
 # The kernel, the PyTorch sleep and the busy JAX computation live in the
 # package, which the doctor ships; the suite and the benchmarks share them.
 from jax_overlay.doctor.producers import (  # noqa: F401 - re-exported
-    CLOCK_HZ, JAX_N, SPIN_SRC, jax_busy, jax_fill, seed, spin_fill, torch_sleep)
-
-
-class WithStream:
-    """Re-exports another array's CAI with a chosen v3 stream."""
-
-    def __init__(self, base, stream):
-        self.base = base
-        self.cai = dict(base.__cuda_array_interface__, version=3, stream=stream)
-
-    @property
-    def __cuda_array_interface__(self):
-        return self.cai
+    CLOCK_HZ, JAX_N, SPIN_SRC, WithStream, jax_busy, jax_fill, seed, spin_fill, torch_sleep)
 
 
 STREAMS = {
