@@ -25,8 +25,11 @@ sanitize = os.environ.get("JAX_OVERLAY_SANITIZE", "0") not in ("", "0")
 # rebuilds the extension.
 build_info = runpy.run_path(os.path.join("xla_ext", "build_info.py"))
 gen_dir = os.path.join("build", "gen")
+# JAX_OVERLAY_TESTING=1 (tools/test.sh's in-place build) compiles in the
+# test hooks; a wheel (pip's build) has none.
+testing = os.environ.get("JAX_OVERLAY_TESTING", "0") not in ("", "0")
 build_info["write"](os.path.join("jax_overlay", "_version.py"),
-                    os.path.join(gen_dir, build_info["HEADER"]))
+                    os.path.join(gen_dir, build_info["HEADER"]), testing)
 
 setup(
     ext_modules=[

@@ -1,5 +1,7 @@
+import inspect
 import os
 import pathlib
+import re
 import sys
 import sysconfig
 
@@ -57,13 +59,52 @@ def gpu_skip_reason():
     return reason()
 
 
+def _calls_hooks(item):
+    """Whether the test, a function of its module that it calls, or a script
+    of its module that it runs, calls a hook (or whether it asks for the
+    `balanced` fixture, which counts live tensors)."""
+    if "balanced" in getattr(item, "fixturenames", ()):
+        return True
+    fn = getattr(item, "function", None)
+    try:
+        source = inspect.getsource(fn)
+    except (TypeError, OSError):
+        return False
+    from forge import HOOK_CALL
+    if HOOK_CALL.search(source):
+        return True
+    # The module's own functions it calls, and its scripts (strings) it runs.
+    module = inspect.getmodule(fn)
+    for name in set(re.findall(r"\b(\w+)\b", source)):
+        helper = getattr(module, name, None)
+        if isinstance(helper, str):
+            text = helper
+        elif inspect.isfunction(helper) and helper.__module__ == module.__name__:
+            try:
+                text = inspect.getsource(helper)
+            except OSError:
+                continue
+        else:
+            continue
+        if HOOK_CALL.search(text):
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
+    hooks = None
     for item in items:
         if GPU_DIR in pathlib.Path(item.fspath).parents:
             item.add_marker(pytest.mark.gpu)
             reason = gpu_skip_reason()
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+        if hooks is None:
+            import forge
+            hooks = forge.has_hooks()
+        if not hooks and _calls_hooks(item):
+            import forge
+            item.add_marker(pytest.mark.skip(reason=forge.NO_HOOKS))
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import itertools
+import re
 import threading
 import time
 from typing import Any
@@ -84,6 +85,24 @@ def host_capsule(obj, versioned=False):
     """A kDLCPU capsule straight from an object's CAI dict."""
     view = ext.parse_cai(obj.__cuda_array_interface__)
     return ext.capsule_from_cai(view, obj, _KDLCPU, 0, versioned)
+
+
+# The native module's test hooks (xla_ext/module.cc's BindTestHooks): only in
+# a build made with JAX_OVERLAY_TESTING=1 (tools/test.sh, Bazel), never in a
+# wheel.  Tests that call one are skipped, saying so, where the module has none.
+HOOKS = frozenset({
+    "chained_legacy", "live_tensors", "released_tensors", "handed_off", "handed_off_run",
+    "run_handed_off", "memory_kind", "stream_idle", "check_strided_plan", "fast_divisor",
+    "launch_strided_copy", "strided_copy_ptx", "_delete_on_native_thread",
+    "_delete_with_pending_error"})
+NO_HOOKS = ("the native module was built without its test hooks (a wheel has none; "
+            "JAX_OVERLAY_TESTING=1 builds them, as tools/test.sh does)")
+HOOK_CALL = re.compile(r"\bext\.(" + "|".join(sorted(HOOKS)) + r")\b")
+
+
+def has_hooks():
+    return bool(getattr(ext, "TESTING", False))
+
 
 
 # Forged DLPack capsules ---------------------------------------------------

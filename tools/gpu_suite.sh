@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
   tests+=("$1"); shift
 done
 [ ${#tests[@]} -gt 0 ] || tests=(tests)
-"$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
+JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   "$PY" - <<'PYEOF'

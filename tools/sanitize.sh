@@ -38,7 +38,7 @@ trap 'rm -rf "$work"' EXIT
 git ls-files -z | xargs -0 cp --parents -t "$work"
 cd "$work"
 echo "sanitize.sh: building the ASan/UBSan extension in $work"
-JAX_OVERLAY_SANITIZE=1 "$PY" setup.py -q build_ext --inplace >build.log 2>&1 || {
+JAX_OVERLAY_SANITIZE=1 JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace >build.log 2>&1 || {
   cat build.log; exit 1; }
 
 # --capture=sys: a sanitizer writes its report to file descriptor 2 and

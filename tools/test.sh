@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: builds the native core in place and runs the pytest
+# The test command: builds the native core in place (with its test hooks)
+# and runs the pytest
 # suites once, in full (tests/gpu is skipped, with a reason, where no GPU is
 # usable), then the Bazel suites offline: the C++ tests of the core in full
 # and a smoke subset of tests/cpu against the Bazel-built extension
@@ -27,7 +28,9 @@ trap summary EXIT
 SECONDS=0
 
 begin build
-"$PY" setup.py -q build_ext --inplace
+# With the native test hooks (lifetime counters, deleters driven from other
+# threads, the strided kernel alone), which the suites call; a wheel has none.
+JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace
 end
 
 begin pytest

@@ -45,6 +45,18 @@ if [[ $where != "$site"/jax_overlay/__init__.py ]]; then
   exit 1
 fi
 echo "wheel_test.sh: jax_overlay from $where"
+# No test code in the wheel: no test hooks in its native module, no test
+# helpers beside the package.
+(cd / && "$vpy" -c 'import sys, jax_overlay._xla_ext as m; sys.exit(m.TESTING)') ||
+  { echo "wheel_test.sh: the wheel's native module has the test hooks" >&2; exit 1; }
+"$PY" - "$wheel" <<'EOF' || { echo "wheel_test.sh: the wheel holds test code (above)" >&2; exit 1; }
+import re, sys, zipfile
+bad = [n for n in zipfile.ZipFile(sys.argv[1]).namelist()
+       if re.search(r"(^|/)(tests?|forge|dropin|_testing)(/|\.py$)", n)]
+print("\n".join(bad))
+sys.exit(bool(bad))
+EOF
+echo "wheel_test.sh: no test hooks or helpers in the wheel"
 
 (cd / && "$vpy" -m jax_overlay doctor)
 (cd "$stage" && JAX_OVERLAY_TEST_INSTALLED=1 "$vpy" -m pytest -q -rs -p no:cacheprovider tests/cpu "$@")

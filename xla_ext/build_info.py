@@ -5,8 +5,11 @@ where it is built ("" when there is none, as in pip's isolated builds).
 ``import jax_overlay`` compares them with the Python package and the
 running jaxlib (jax_overlay/_native.py).
 
+It also says whether the module gets its test hooks (JAX_OVERLAY_TESTING:
+bindings only the tests and benchmarks call, never in a wheel).
+
 setup.py imports this file; Bazel runs it (//xla_ext:build_info_h):
-    build_info.py JAX_OVERLAY/_VERSION.PY OUT.H
+    build_info.py JAX_OVERLAY/_VERSION.PY OUT.H [--testing]
 """
 
 import ast
@@ -50,7 +53,7 @@ def _quoted(name, value):
     return f'"{value}"'
 
 
-def header(info, jaxlib):
+def header(info, jaxlib, testing=False):
     abi = info["ABI"]
     if type(abi) is not int or abi < 0:
         raise SystemExit(f"ABI = {abi!r}: expected a non-negative int")
@@ -62,13 +65,15 @@ def header(info, jaxlib):
         f"#define JAX_OVERLAY_ABI {abi}\n"
         f"#define JAX_OVERLAY_JAXLIB_MIN {_quoted('JAXLIB_MIN', info['JAXLIB_MIN'])}\n"
         f"#define JAX_OVERLAY_JAXLIB_BELOW {_quoted('JAXLIB_BELOW', info['JAXLIB_BELOW'])}\n"
-        f"#define JAX_OVERLAY_JAXLIB_AT_BUILD {jaxlib_literal}\n")
+        f"#define JAX_OVERLAY_JAXLIB_AT_BUILD {jaxlib_literal}\n"
+        f"#define JAX_OVERLAY_TESTING {int(bool(testing))}\n")
 
 
-def write(version_py, out):
+def write(version_py, out, testing=False):
     """Writes the header to `out` unless it already says exactly that (so
-    that an unchanged header does not make setup.py rebuild)."""
-    text = header(read_version(version_py), jaxlib_present())
+    that an unchanged header does not make setup.py rebuild; a change of
+    `testing` does)."""
+    text = header(read_version(version_py), jaxlib_present(), testing)
     out = pathlib.Path(out)
     if not out.exists() or out.read_text() != text:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -77,6 +82,7 @@ def write(version_py, out):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    args = [a for a in sys.argv[1:] if a != "--testing"]
+    if len(args) != 2:
         raise SystemExit(__doc__.rsplit("\n\n", 1)[-1])
-    write(sys.argv[1], sys.argv[2])
+    write(args[0], args[1], "--testing" in sys.argv[1:])

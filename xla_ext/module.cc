@@ -137,6 +137,123 @@ struct DlpackImport {
   uint64_t flags = 0;
 };
 
+#if JAX_OVERLAY_TESTING
+// Bindings only the tests and the benchmarks call (lifetime counters, the
+// deleter hand-off, deleters driven the way consumers drive them, the
+// strided kernel on its own): compiled in by tools/test.sh's build
+// (JAX_OVERLAY_TESTING=1) and by Bazel's, never into a wheel.
+void BindTestHooks(py::module_& m) {
+  m.def(
+      "chained_legacy",
+      [](py::handle capsule) {
+        return Steal(ChainedLegacyCapsule(capsule.ptr()));
+      },
+      py::arg("capsule"),
+      "A legacy capsule of ours whose deleter chains to the producer's "
+      "tensor (versioned or legacy); the input is marked used.");
+  m.def("live_tensors", &LiveTensors,
+        "Tensors created here whose deleter has not run.");
+  m.def("released_tensors", &ReleasedTensors,
+        "Tensors created here whose deleter has run.");
+  m.def("handed_off", &HandedOff,
+        "Deleter work handed from threads CPython does not know to the main "
+        "thread (gil_handoff.h).");
+  m.def("handed_off_run", &HandedOffRun,
+        "Handed-off deleter work that has run.");
+  m.def("run_handed_off", &RunHandedOff,
+        "Runs the deleter work handed off so far, now.");
+  m.def(
+      "memory_kind",
+      [](uintptr_t ptr) {
+        cuda::PointerInfo info;
+        Error err;
+        if (!cuda::QueryPointer(ptr, &info, &err)) Raise(err);
+        return static_cast<int>(info.kind);
+      },
+      py::arg("ptr"),
+      "0 not CUDA memory, 1 device, 2 pinned host, 3 managed (the export's "
+      "cheap platform check).");
+  m.def(
+      "stream_idle",
+      [](int ordinal, uintptr_t stream) {
+        bool idle = false;
+        Error err;
+        if (!cuda::StreamIdle(ordinal, stream, &idle, &err)) Raise(err);
+        return idle;
+      },
+      py::arg("ordinal"), py::arg("stream"));
+  m.def(
+      "check_strided_plan",
+      [](const std::vector<int64_t>& plan, int64_t envelope) {
+        strided::Plan p = PlanOf(plan, envelope);
+        Error err;
+        if (!strided::Validate(p, &err)) Raise(err);
+      },
+      py::arg("plan"), py::arg("envelope"),
+      "The handler's own check of a plan (ValueError naming the field).");
+  m.def(
+      "fast_divisor",
+      [](uint32_t d) {
+        strided::FastDivisor f = strided::MakeFastDivisor(d);
+        return py::make_tuple(f.magic, f.shift);
+      },
+      py::arg("d"), "(magic, shift) with n // d == (n * magic) >> shift.");
+  m.def(
+      "launch_strided_copy",
+      [](const std::vector<int64_t>& plan, int64_t envelope, uintptr_t dst,
+         uintptr_t src, uintptr_t stream) {
+        if (stream == 0) {
+          throw py::value_error(
+              "stream = 0: pass a stream handle (the kernel is loaded into "
+              "that stream's context)");
+        }
+        strided::Plan p = PlanOf(plan, envelope);
+        Error err;
+        if (!strided::Validate(p, &err) ||
+            !strided::Launch(p, dst, src, stream, &err)) {
+          Raise(err);
+        }
+      },
+      py::arg("plan"), py::arg("envelope"), py::arg("dst"), py::arg("src"),
+      py::arg("stream"),
+      "Enqueues the strided copy kernel on `stream` outside XLA, exactly as "
+      "the custom call does (benchmarks and tests: the kernel alone).");
+  m.def("strided_copy_ptx", &strided::Ptx,
+        "The PTX text of the strided copy kernels.");
+  m.def(
+      "_delete_on_native_thread",
+      [](py::handle capsule) {
+        TakenTensor t = TakeTensor(capsule.ptr());
+        if (!t.tensor) throw py::error_already_set();
+        // The GIL must be free while the thread runs: the deleter takes it.
+        // Plain macros, not an RAII guard: a daemon thread woken during
+        // interpreter exit is unwound by CPython, and a noexcept destructor
+        // in that path would abort the process.
+        Py_BEGIN_ALLOW_THREADS
+        std::thread([t] { CallDeleter(t); }).join();
+        Py_END_ALLOW_THREADS
+      },
+      py::arg("capsule"),
+      "Consumes a DLPack capsule and calls its deleter from a new native "
+      "thread (tests).");
+  m.def(
+      "_delete_with_pending_error",
+      [](py::handle capsule) {
+        TakenTensor t = TakeTensor(capsule.ptr());
+        if (!t.tensor) throw py::error_already_set();
+        PyErr_SetString(PyExc_KeyError, "pending");
+        CallDeleter(t);
+        // The deleter must leave the caller's exception exactly as it was.
+        bool kept = PyErr_ExceptionMatches(PyExc_KeyError);
+        PyErr_Clear();
+        return kept;
+      },
+      py::arg("capsule"),
+      "Consumes a capsule and calls its deleter with a KeyError pending; "
+      "True when the error survived (tests).");
+}
+#endif  // JAX_OVERLAY_TESTING
+
 }  // namespace
 }  // namespace jxo
 
@@ -291,14 +408,6 @@ PYBIND11_MODULE(_xla_ext, m) {
       "(same data, shape, strides, dtype, device) that holds `owner` until "
       "its consumer frees it; the input is left unconsumed.");
 
-  m.def(
-      "chained_legacy",
-      [](py::handle capsule) {
-        return Steal(ChainedLegacyCapsule(capsule.ptr()));
-      },
-      py::arg("capsule"),
-      "A legacy capsule of ours whose deleter chains to the producer's "
-      "tensor (versioned or legacy); the input is marked used.");
 
   m.def(
       "capsule_info",
@@ -343,17 +452,6 @@ PYBIND11_MODULE(_xla_ext, m) {
       "Consumes a capsule and calls its deleter now (for tensors the consumer "
       "must refuse, as the protocol asks).");
 
-  m.def("live_tensors", &LiveTensors,
-        "Tensors created here whose deleter has not run.");
-  m.def("released_tensors", &ReleasedTensors,
-        "Tensors created here whose deleter has run.");
-  m.def("handed_off", &HandedOff,
-        "Deleter work handed from threads CPython does not know to the main "
-        "thread (gil_handoff.h).");
-  m.def("handed_off_run", &HandedOffRun,
-        "Handed-off deleter work that has run.");
-  m.def("run_handed_off", &RunHandedOff,
-        "Runs the deleter work handed off so far, now.");
 
   m.def(
       "load_driver",
@@ -387,17 +485,6 @@ PYBIND11_MODULE(_xla_ext, m) {
       },
       py::arg("ptr"), "A PointerInfo of `ptr`.");
 
-  m.def(
-      "memory_kind",
-      [](uintptr_t ptr) {
-        cuda::PointerInfo info;
-        Error err;
-        if (!cuda::QueryPointer(ptr, &info, &err)) Raise(err);
-        return static_cast<int>(info.kind);
-      },
-      py::arg("ptr"),
-      "0 not CUDA memory, 1 device, 2 pinned host, 3 managed (the export's "
-      "cheap platform check).");
 
   m.def(
       "order_after",
@@ -427,15 +514,6 @@ PYBIND11_MODULE(_xla_ext, m) {
       "(the CUDA runtime's current device), restoring the caller's after; "
       "without a driver, just fn(*args).");
 
-  m.def(
-      "stream_idle",
-      [](int ordinal, uintptr_t stream) {
-        bool idle = false;
-        Error err;
-        if (!cuda::StreamIdle(ordinal, stream, &idle, &err)) Raise(err);
-        return idle;
-      },
-      py::arg("ordinal"), py::arg("stream"));
 
   m.def(
       "strided_copy_handler",
@@ -464,77 +542,12 @@ PYBIND11_MODULE(_xla_ext, m) {
       py::arg("ordinal"),
       "JIT-compiles the strided copy kernels for CUDA device `ordinal` "
       "(BufferError when the driver cannot).");
-  m.def(
-      "check_strided_plan",
-      [](const std::vector<int64_t>& plan, int64_t envelope) {
-        strided::Plan p = PlanOf(plan, envelope);
-        Error err;
-        if (!strided::Validate(p, &err)) Raise(err);
-      },
-      py::arg("plan"), py::arg("envelope"),
-      "The handler's own check of a plan (ValueError naming the field).");
-  m.def(
-      "fast_divisor",
-      [](uint32_t d) {
-        strided::FastDivisor f = strided::MakeFastDivisor(d);
-        return py::make_tuple(f.magic, f.shift);
-      },
-      py::arg("d"), "(magic, shift) with n // d == (n * magic) >> shift.");
-  m.def(
-      "launch_strided_copy",
-      [](const std::vector<int64_t>& plan, int64_t envelope, uintptr_t dst,
-         uintptr_t src, uintptr_t stream) {
-        if (stream == 0) {
-          throw py::value_error(
-              "stream = 0: pass a stream handle (the kernel is loaded into "
-              "that stream's context)");
-        }
-        strided::Plan p = PlanOf(plan, envelope);
-        Error err;
-        if (!strided::Validate(p, &err) ||
-            !strided::Launch(p, dst, src, stream, &err)) {
-          Raise(err);
-        }
-      },
-      py::arg("plan"), py::arg("envelope"), py::arg("dst"), py::arg("src"),
-      py::arg("stream"),
-      "Enqueues the strided copy kernel on `stream` outside XLA, exactly as "
-      "the custom call does (benchmarks and tests: the kernel alone).");
-  m.def("strided_copy_ptx", &strided::Ptx,
-        "The PTX text of the strided copy kernels.");
 
-  // Test hooks: drive deleters the way foreign consumers do.
-  m.def(
-      "_delete_on_native_thread",
-      [](py::handle capsule) {
-        TakenTensor t = TakeTensor(capsule.ptr());
-        if (!t.tensor) throw py::error_already_set();
-        // The GIL must be free while the thread runs: the deleter takes it.
-        // Plain macros, not an RAII guard: a daemon thread woken during
-        // interpreter exit is unwound by CPython, and a noexcept destructor
-        // in that path would abort the process.
-        Py_BEGIN_ALLOW_THREADS
-        std::thread([t] { CallDeleter(t); }).join();
-        Py_END_ALLOW_THREADS
-      },
-      py::arg("capsule"),
-      "Consumes a DLPack capsule and calls its deleter from a new native "
-      "thread (tests).");
-  m.def(
-      "_delete_with_pending_error",
-      [](py::handle capsule) {
-        TakenTensor t = TakeTensor(capsule.ptr());
-        if (!t.tensor) throw py::error_already_set();
-        PyErr_SetString(PyExc_KeyError, "pending");
-        CallDeleter(t);
-        // The deleter must leave the caller's exception exactly as it was.
-        bool kept = PyErr_ExceptionMatches(PyExc_KeyError);
-        PyErr_Clear();
-        return kept;
-      },
-      py::arg("capsule"),
-      "Consumes a capsule and calls its deleter with a KeyError pending; "
-      "True when the error survived (tests).");
+
+#if JAX_OVERLAY_TESTING
+  BindTestHooks(m);
+#endif
+  m.attr("TESTING") = static_cast<bool>(JAX_OVERLAY_TESTING);
 
   m.attr("DLPACK_VERSION") = py::make_tuple(dl::kMajorVersion, dl::kMinorVersion);
   m.attr("FLAG_READ_ONLY") = dl::kFlagReadOnly;
