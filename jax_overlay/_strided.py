@@ -204,9 +204,6 @@ def _route(shape, elem_strides, offset, dtype, unit, device, kernel_on):
     return "gather", _gather_fn(shape, strides, offset, dtype, unit)
 
 
-routes = {"kernel": 0, "gather": 0}  # copies per route, for tests and probes
-
-
 def gather(envelope, device, shape, elem_strides, offset, dtype, unit):
     """The compact copy of the array viewed by `envelope` (on `device`),
     whose element i is item offset + sum(i_d * elem_strides_d * itemsize /
@@ -219,8 +216,13 @@ def gather(envelope, device, shape, elem_strides, offset, dtype, unit):
             f"a strided import spanning {envelope.shape[0]} items needs 64-bit "
             "indices, which this version of jax_overlay does not generate; "
             "make the array compact on the producer's side first")
-    routes[route] += 1
-    if np.dtype(dtype).itemsize < 8:
+    return _copy(route, fn, envelope, np.dtype(dtype).itemsize)
+
+
+def _copy(route, fn, envelope, itemsize):
+    """Runs the planned copy `fn` ("kernel" or "gather": `route`, which the
+    tests and probes read by wrapping this function)."""
+    if itemsize < 8:
         return fn(envelope)
     # 64-bit items are moved as 64-bit items: in JAX's default 32-bit mode
     # a trace would narrow them (the gather's uint64 bit view became uint32,

@@ -105,6 +105,27 @@ def has_hooks():
 
 
 
+class CopyRoutes:
+    """Counts the strided copies per route ("kernel", "gather") while it is
+    installed over _strided._copy: `with CopyRoutes() as routes: ...`."""
+
+    def __init__(self):
+        self.counts = {"kernel": 0, "gather": 0}
+
+    def __enter__(self):
+        from jax_overlay import _strided
+        self._strided, self._real = _strided, _strided._copy
+
+        def counted(route, fn, envelope, itemsize):
+            self.counts[route] += 1
+            return self._real(route, fn, envelope, itemsize)
+        _strided._copy = counted
+        return self.counts
+
+    def __exit__(self, *exc):
+        self._strided._copy = self._real
+
+
 # Forged DLPack capsules ---------------------------------------------------
 #
 # A foreign producer written with ctypes: every field of the managed tensor,

@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 
 import jax_overlay
-from jax_overlay import _dlpack as D
-from jax_overlay import _cai as C
 from jax_overlay import _dlpack as E
 from jax_overlay import _runtime as rt
 import forge as T

@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import dropin as D  # noqa: E402
 import jax_overlay  # noqa: E402
-from jax_overlay import _cai, _view, peers  # noqa: E402
+from jax_overlay import peers  # noqa: E402
 from jax_overlay import _runtime as rt  # noqa: E402
 from jax_overlay.errors import CopyRequiredError  # noqa: E402
 from test_dropin import _coords  # noqa: E402

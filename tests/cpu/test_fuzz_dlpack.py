@@ -29,8 +29,6 @@ from hypothesis import strategies as st
 import fuzzing as F  # noqa: E402
 from fuzzing import fuzz_report, x64  # noqa: E402,F401  (module fixtures)
 import jax_overlay
-from jax_overlay import _dlpack as D
-from jax_overlay import _cai as C
 from jax_overlay import _dlpack as E
 from jax_overlay import _runtime as rt
 import forge as T

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import jax_overlay
-from jax_overlay import _cai, _view, peers
 import forge as T
 from jax_overlay import _xla_ext as ext
 

@@ -11,7 +11,7 @@ import pytest
 
 import dropin as D
 import jax_overlay
-from jax_overlay import _cai, _view, peers
+from jax_overlay import _cai
 from jax_overlay.errors import JaxRuntimeError
 from jax_overlay import _runtime as rt
 import forge as T

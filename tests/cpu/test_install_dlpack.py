@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import jax_overlay
-from jax_overlay import _cai as C
 from jax_overlay import _dlpack as E
 from jax_overlay import _dlpack
 from jax_overlay import _runtime as rt
@@ -143,7 +142,7 @@ def test_gpu_dlpack_object_is_preferred_over_its_cai(installed, gpu_on_host):
 
 
 def test_cai_is_used_when_there_is_no_dlpack(installed, monkeypatch):
-    from jax_overlay import _cai, _view, peers
+    from jax_overlay import _cai
     monkeypatch.setattr(_cai, "import_cai", functools.partial(_cai.import_cai, host=True))
     a = data()
     x = jnp.asarray(CAIOnly(a))

@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 
 import jax_overlay
-from jax_overlay import _dlpack as D
 from jax_overlay import _cai as C
 from jax_overlay import _dlpack as E
 import forge as T

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_overlay
-from jax_overlay import _cai, _dlpack
+from jax_overlay import _cai
 from jax_overlay import _runtime as rt
 from multidevice import (KDLCUDA, HostCAIOn, HostDLPack, aligned, check, cpus_as_gpus,
                          installed, on, params)

@@ -13,27 +13,24 @@ import ml_dtypes  # noqa: E402
 
 import jax_overlay  # noqa: E402
 from jax_overlay import _strided  # noqa: E402
+import forge as T  # noqa: E402
 
 from producers import WithStream, spin_fill  # noqa: E402
 
 imp = jax_overlay.from_cuda_array_interface
 
 
-def kernel_calls():
-    return _strided.routes["kernel"]
-
-
 def both_routes(importer, v):
     """(kernel result, gather result) of importing `v`."""
-    before = kernel_calls()
-    k = importer(v)
-    assert kernel_calls() == before + 1, "the kernel route was not taken"
-    jax_overlay.config.strided_kernel = False
-    try:
-        g = importer(v)
-    finally:
-        jax_overlay.config.strided_kernel = True
-    assert kernel_calls() == before + 1, "the gather route took the kernel"
+    with T.CopyRoutes() as counts:
+        k = importer(v)
+        assert counts["kernel"] == 1, "the kernel route was not taken"
+        jax_overlay.config.strided_kernel = False
+        try:
+            g = importer(v)
+        finally:
+            jax_overlay.config.strided_kernel = True
+        assert counts["kernel"] == 1, "the gather route took the kernel"
     return k, g
 
 
@@ -85,9 +82,9 @@ def test_kernel_matches_cupy_and_the_gather_bit_for_bit(layout, dtype, x64):
         np.testing.assert_array_equal(bits(x), bits(want))
         return
     if layout == "4-d (gather)":
-        before = kernel_calls()
-        x = imp(v)
-        assert kernel_calls() == before, "four unmergeable dimensions take the gather"
+        with T.CopyRoutes() as counts:
+            x = imp(v)
+        assert counts == {"kernel": 0, "gather": 1}, "four unmergeable dimensions take the gather"
         np.testing.assert_array_equal(bits(x), bits(want))
         return
     k, g = both_routes(imp, v)
