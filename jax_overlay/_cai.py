@@ -17,10 +17,6 @@ from . import _xla_ext as ext
 from ._config import config
 from .errors import like_stock
 
-# Tests set this to describe CPU arrays too (host memory), so CI can check
-# the dict builder on real JAX buffers; read only off the GPU path.
-_allow_host = False
-
 _LEGACY_STREAM = 1
 
 
@@ -35,7 +31,7 @@ def _typestr(dtype):
     return dtype.str
 
 
-def _check(x):
+def _check(x, host=False):
     """The precise error for an array the fast path turned away."""
     if isinstance(x, rt.ArrayImpl) and x.is_deleted():
         # An AttributeError too: hasattr(x, "__cuda_array_interface__") says
@@ -46,7 +42,7 @@ def _check(x):
     rt.check_live(x)
     rt.check_one_buffer(x, "__cuda_array_interface__", AttributeError)
     device = next(iter(x.sharding.device_set))
-    if device.platform != "gpu" and not (_allow_host and device.platform == "cpu"):
+    if device.platform != "gpu" and not (host and device.platform == "cpu"):
         raise AttributeError(
             f"__cuda_array_interface__ is only defined for NVidia GPU buffers. "
             f"This array is on {device}")
@@ -102,6 +98,13 @@ def cuda_array_interface(x: jax.Array, *, stream: int | None = None,
     ``read_only``: the exported flag (default ``config.cai_read_only``).
     Strides are given for any non-row-major layout JAX holds.
     """
+    return _describe(x, stream, read_only, False)
+
+
+def _describe(x, stream, read_only, host):
+    """cuda_array_interface; `host` describes CPU arrays too (host memory:
+    the tests check the dict builder on real JAX buffers where CI has no
+    GPU)."""
     facts = None
     if type(x) is rt.ArrayImpl:
         entry = _ready_facts.get(id(x))
@@ -111,7 +114,7 @@ def cuda_array_interface(x: jax.Array, *, stream: int | None = None,
             facts = entry[1]
     ready = cacheable = facts is not None
     if facts is None:
-        facts, cacheable = _facts(x)
+        facts, cacheable = _facts(x, host)
     ptr, typestr, shape, strides = facts
     ro = config.cai_read_only if read_only is None else bool(read_only)
     out_stream = None
@@ -137,22 +140,22 @@ def cuda_array_interface(x: jax.Array, *, stream: int | None = None,
     }
 
 
-def _facts(x):
+def _facts(x, host):
     """((pointer, typestr, shape, strides), whether they may be kept) of an
     exportable array, with every check of the export (TypeError, BufferError,
     AttributeError).  Only a GPU array's are kept: a host array is exported
     only while tests allow it."""
     if type(x) is not rt.ArrayImpl:
-        _check(x)
+        _check(x, host)
     try:
         # Also the sharding and deletion check: it raises for both.
         ptr = x.unsafe_buffer_pointer()
     except Exception:
-        _check(x)
+        _check(x, host)
         raise
     on_gpu = _cuda_ordinal(ptr) is not None
     if not on_gpu:
-        _check(x)  # a CPU array: AttributeError, so hasattr() is False
+        _check(x, host)  # a CPU array: AttributeError, so hasattr() is False
     dtype = x.dtype
     facts = ptr, _typestr(dtype), x.shape, rt.byte_strides(x, dtype.itemsize)
     return facts, on_gpu and type(x) is rt.ArrayImpl
@@ -167,7 +170,7 @@ _ready_facts: dict[int, tuple] = {}
 
 
 def _cai_property(self):
-    return cuda_array_interface(self)
+    return _describe(self, None, None, False)
 
 
 cai_property = property(

@@ -51,6 +51,12 @@ def import_host(obj, *, copy=None, device=None):
     return _view.finish(arr, copied, device=device, copy=copy)
 
 
+def host_cai(x, *, stream=None, read_only=None):
+    """jax_overlay.cuda_array_interface of an array in host memory too (a CPU
+    array), so CI checks the dict builder on real JAX buffers."""
+    return _cai._describe(x, stream, read_only, True)
+
+
 def settle(condition, what, timeout=30.0):
     """Asserts `condition()` once what a test started has finished.  A
     reference cycle may hold the last reference (one full collection is

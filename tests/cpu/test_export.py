@@ -13,7 +13,7 @@ import pytest
 
 import jax_overlay
 from jax_overlay import _config
-from jax_overlay import _cai, _dlpack
+from jax_overlay import _cai
 from jax_overlay import _runtime as rt
 import forge as T
 
@@ -23,11 +23,6 @@ CPU = jax.devices("cpu")[0]
 
 def on_cpu(x):
     return jax.device_put(x, CPU)
-
-
-@pytest.fixture
-def host(monkeypatch):
-    monkeypatch.setattr(_cai, "_allow_host", True)
 
 
 @pytest.fixture
@@ -41,66 +36,66 @@ def orders(monkeypatch):
     (np.bool_, "|b1"), (np.int8, "|i1"), (np.uint8, "|u1"), (np.int16, "<i2"),
     (np.int32, "<i4"), (np.uint32, "<u4"), (np.float16, "<f2"),
     (np.float32, "<f4"), (np.complex64, "<c8")])
-def test_dict_fields(host, dtype, typestr):
+def test_dict_fields(dtype, typestr):
     x = on_cpu(jnp.zeros((2, 3), dtype))
     x.block_until_ready()  # a ready array needs no stream
-    d = jax_overlay.cuda_array_interface(x)
+    d = T.host_cai(x)
     assert d == {"shape": (2, 3), "typestr": typestr,
                  "data": (x.unsafe_buffer_pointer(), False), "version": 3,
                  "strides": None, "stream": None, "descr": [("", typestr)]}
 
 
-def test_x64_dtypes(host):
+def test_x64_dtypes():
     jax.config.update("jax_enable_x64", True)
     try:
         for dt, ts in [(np.int64, "<i8"), (np.float64, "<f8"), (np.complex128, "<c16")]:
-            assert jax_overlay.cuda_array_interface(jnp.zeros(2, dt))["typestr"] == ts
+            assert T.host_cai(jnp.zeros(2, dt))["typestr"] == ts
     finally:
         jax.config.update("jax_enable_x64", False)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, ml_dtypes.float8_e4m3fn,
                                    ml_dtypes.float8_e5m2, jnp.int4])
-def test_inexpressible_dtypes(host, dtype):
+def test_inexpressible_dtypes(dtype):
     x = jnp.zeros(4, dtype)
     with pytest.raises(AttributeError, match="DLPack") as e:
-        jax_overlay.cuda_array_interface(x)
+        T.host_cai(x)
     assert str(np.dtype(dtype)) in str(e.value)
 
 
-def test_non_row_major_layouts_give_strides(host):
+def test_non_row_major_layouts_give_strides():
     base = T.aligned_empty((6, 4), np.float32).T  # an F-order (4, 6) view
     base[...] = np.arange(24).reshape(4, 6)
     x = T.import_host(T.HostCAI(base))  # keeps the column-major layout
     assert x.unsafe_buffer_pointer() == base.ctypes.data
-    d = jax_overlay.cuda_array_interface(x)
+    d = T.host_cai(x)
     assert d["strides"] == base.strides == (4, 16)
     back = T.import_host(T.HostCAI(base))
     np.testing.assert_array_equal(np.asarray(back), base)
     three = T.aligned_empty((2, 3, 4), np.int16).transpose(2, 0, 1)
     three[...] = np.arange(24).reshape(4, 2, 3)
     y = T.import_host(T.HostCAI(three))
-    assert jax_overlay.cuda_array_interface(y)["strides"] == three.strides
+    assert T.host_cai(y)["strides"] == three.strides
 
 
-def test_round_trip_through_our_own_import(host):
+def test_round_trip_through_our_own_import():
     x = on_cpu(jnp.arange(12.0).reshape(3, 4))
 
     class Holder:
-        __cuda_array_interface__ = jax_overlay.cuda_array_interface(x)
+        __cuda_array_interface__ = T.host_cai(x)
 
     y = T.import_host(Holder())
     assert y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
 
 
-def test_read_only_policy(host, monkeypatch):
+def test_read_only_policy(monkeypatch):
     x = jnp.zeros(3)
-    assert jax_overlay.cuda_array_interface(x)["data"][1] is False
-    assert jax_overlay.cuda_array_interface(x, read_only=True)["data"][1] is True
+    assert T.host_cai(x)["data"][1] is False
+    assert T.host_cai(x, read_only=True)["data"][1] is True
     monkeypatch.setattr(_config.config, "cai_read_only", True)
-    assert jax_overlay.cuda_array_interface(x)["data"][1] is True
-    assert jax_overlay.cuda_array_interface(x, read_only=False)["data"][1] is False
+    assert T.host_cai(x)["data"][1] is True
+    assert T.host_cai(x, read_only=False)["data"][1] is False
 
 
 def test_environment_switches(monkeypatch):
@@ -113,45 +108,45 @@ def test_environment_switches(monkeypatch):
         _config.Config()
 
 
-def test_explicit_stream_is_ordered_and_exported(host, orders):
+def test_explicit_stream_is_ordered_and_exported(orders):
     x = on_cpu(jnp.zeros(3))  # host memory takes jaxlib's ordering path
-    d = jax_overlay.cuda_array_interface(x, stream=7)
+    d = T.host_cai(x, stream=7)
     assert d["stream"] == 7 and orders == [7]
 
 
-def test_ready_array_needs_no_stream(host, orders):
+def test_ready_array_needs_no_stream(orders):
     x = on_cpu(jnp.zeros(3))
     x.block_until_ready()
-    assert jax_overlay.cuda_array_interface(x)["stream"] is None
+    assert T.host_cai(x)["stream"] is None
     assert orders == []
 
 
-def test_sync_switch_off_exports_no_stream(host, orders, monkeypatch):
+def test_sync_switch_off_exports_no_stream(orders, monkeypatch):
     monkeypatch.setattr(_config.config, "cai_sync", False)
-    d = jax_overlay.cuda_array_interface(on_cpu(jnp.zeros(3)), stream=7)
+    d = T.host_cai(on_cpu(jnp.zeros(3)), stream=7)
     assert d["stream"] is None and orders == []
 
 
 @pytest.mark.parametrize("stream", [0, -1, 1.0, True, "1"])
-def test_bad_stream_argument(host, stream):
+def test_bad_stream_argument(stream):
     with pytest.raises(ValueError, match="stream="):
-        jax_overlay.cuda_array_interface(jnp.zeros(3), stream=stream)
+        T.host_cai(jnp.zeros(3), stream=stream)
 
 
-def test_deleted_array(host):
+def test_deleted_array():
     x = jnp.zeros(3)
     x.delete()
     with pytest.raises(BufferError, match="deleted or donated"):
-        jax_overlay.cuda_array_interface(x)
+        T.host_cai(x)
 
 
-def test_donated_array(host):
+def test_donated_array():
     x = jnp.zeros(3)
     jax.jit(lambda v: v + 1, donate_argnums=0)(x)
     if not x.is_deleted():
         pytest.skip("this backend ignores donation")
     with pytest.raises(BufferError, match="deleted or donated"):
-        jax_overlay.cuda_array_interface(x)
+        T.host_cai(x)
 
 
 def test_cpu_arrays_have_no_cai_even_installed():
@@ -184,8 +179,7 @@ def test_sharded_arrays_point_to_shards():
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
         import jax_overlay
-        from jax_overlay import _cai, _dlpack
-        _cai._allow_host = True
+        import forge as T
         mesh = jax.make_mesh((2,), ("x",))
         x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
         try:
@@ -194,7 +188,7 @@ def test_sharded_arrays_point_to_shards():
             assert "addressable_shards" in str(e) and "2 devices" in str(e), e
             shard = x.addressable_shards[1].data
             shard.block_until_ready()  # host memory has no stream to order a pending shard on
-            d = jax_overlay.cuda_array_interface(shard)
+            d = T.host_cai(shard)
             assert d["shape"] == (4,)
             print("ok")
     """)

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_overlay
-from jax_overlay import _cai
+import forge as T
 from jax_overlay import _runtime as rt
 from multidevice import (KDLCUDA, HostCAIOn, HostDLPack, aligned, check, cpus_as_gpus,
                          installed, on, params)
@@ -252,12 +252,12 @@ def case_from_shards_errors_name_the_array_the_value_and_the_fix(n):
 def case_whole_array_protocols_send_sharded_arrays_to_to_shards(n):
     s, shape = layouts(n)["rows"]
     x = jax.device_put(aligned(shape), s)
-    _cai._allow_host = True  # describe CPU arrays too, as test_export does
-    try:
-        with pytest.raises(AttributeError, match=r"sharded over 2 devices.*jax_overlay.to_shards\(x\)"):
-            jax_overlay.cuda_array_interface(x)
-    finally:
-        _cai._allow_host = False
+    # Described as a CPU array would be where allowed (as test_export does):
+    # the sharding is refused first.
+    with pytest.raises(AttributeError, match=r"sharded over 2 devices.*jax_overlay.to_shards\(x\)"):
+        T.host_cai(x)
+    with pytest.raises(AttributeError, match=r"sharded over 2 devices.*jax_overlay.to_shards\(x\)"):
+        jax_overlay.cuda_array_interface(x)
     with pytest.raises(BufferError, match=r"sharded over 2 devices.*jax_overlay.to_shards\(x\)"):
         jax_overlay.to_dlpack(x)
     with installed():

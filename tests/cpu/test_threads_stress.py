@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 import jax_overlay
-from jax_overlay import _cai as C
 from jax_overlay import _dlpack as E
 import forge as T
 from jax_overlay import _xla_ext as ext
@@ -48,7 +47,7 @@ def worker_ops(k):
 
     class Holder:  # a CAI export of x, holding x as the protocol asks
         def __init__(self):
-            self.__cuda_array_interface__ = C.cuda_array_interface(x)
+            self.__cuda_array_interface__ = T.host_cai(x)
             self.x = x
 
     return [
@@ -63,14 +62,7 @@ def worker_ops(k):
     ], (producer, strided, x)
 
 
-@pytest.fixture
-def allow_host_export():
-    C._allow_host = True
-    yield
-    C._allow_host = False
-
-
-@pytest.mark.usefixtures("balanced", "allow_host_export")
+@pytest.mark.usefixtures("balanced")
 def test_eight_threads_import_and_export_at_once():
     start = threading.Barrier(THREADS)
     errors, done = [], [0] * THREADS
@@ -201,8 +193,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     import threading, numpy as np, jax
     import forge as T
     import jax_overlay as D
-    from jax_overlay import _cai as C, _dlpack as E, _xla_ext as ext
-    C._allow_host = True
+    from jax_overlay import _dlpack as E, _xla_ext as ext
     cpu = jax.devices("cpu")[0]
     keep = []
     for i in range(50):
