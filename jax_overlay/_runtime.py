@@ -12,6 +12,7 @@ from jax._src import dtypes as _dtypes
 from jax._src import xla_bridge as _xb
 from jax._src.lib import _jax
 
+from jax._src import lib as _jax_lib
 from jax._src.lib import version as _jaxlib_version
 
 ArrayImpl = type(jax.numpy.zeros(()))
@@ -19,9 +20,25 @@ ArrayImpl = type(jax.numpy.zeros(()))
 device_put = jax.device_put
 
 _KDLCUDAHOST = 3
-# jaxlib 0.10.2 added the dl_device_type argument, and with it views of
-# pinned host memory (kDLCUDAHost -> the pinned_host memory space).
-PINNED_VIEW = _jaxlib_version >= (0, 10, 2)
+
+# What the running jaxlib does natively, in one table: each capability with
+# the jaxlib extension version that brought it (jax's own gates read the
+# same number).  Where stock is already right and safe, the overlay steps
+# aside.  Extension versions measured: jaxlib 0.10.1 452, 0.10.2 467, 0.11.2
+# 495, 0.12.0.1 505.
+NATIVE_SINCE = {
+    # dlpack_managed_tensor_to_buffer takes dl_device_type, and with it views
+    # of pinned host memory (kDLCUDAHost -> the pinned_host memory space):
+    # jaxlib 0.10.2.
+    "pinned_view": 467,
+    # DLPack 1.x both ways (versioned capsules, READ_ONLY, IS_COPIED,
+    # read-only NumPy import): jaxlib 0.12, where jax's DLPACK_VERSION is
+    # jaxlib's own.
+    "dlpack_1": 499,
+}
+EXTENSION_VERSION: int = getattr(_jax_lib, "jaxlib_extension_version", 0)
+NATIVE = {name: EXTENSION_VERSION >= since for name, since in NATIVE_SINCE.items()}
+PINNED_VIEW = NATIVE["pinned_view"]
 
 
 def _capsule_to_array_before_0_10_2(cap, device, stream, copy, dl_type):
@@ -105,10 +122,9 @@ def stock_dlpack():
     return stock
 
 
-# The running jaxlib exports and imports DLPack 1.x (versioned capsules,
-# READ_ONLY, IS_COPIED) itself: jaxlib 0.12 (extension 499) on.  Where it
-# does, stock's CPU export is right and the overlay steps aside for it.
-NATIVE_DLPACK_1 = tuple(getattr(stock_dlpack(), "DLPACK_VERSION", (0, 8))) >= (1, 0)
+# Where the running jaxlib has DLPack 1.x itself (NATIVE), stock's CPU
+# export is right and the overlay steps aside for it (_dlpack.ours).
+NATIVE_DLPACK_1 = NATIVE["dlpack_1"]
 
 
 @functools.cache

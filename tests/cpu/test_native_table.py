@@ -1,0 +1,25 @@
+"""The one table of what the running jaxlib does natively (_runtime.NATIVE,
+keyed by jaxlib's extension version), checked against what that jaxlib
+actually offers: the table's versions must not drift from the features."""
+
+from jax._src import dlpack as stock_dlpack
+from jax._src.lib import _jax
+
+from jax_overlay import _runtime as rt
+
+
+def test_pinned_views_where_jaxlib_takes_a_device_type():
+    doc = _jax.dlpack_managed_tensor_to_buffer.__doc__ or ""
+    assert rt.NATIVE["pinned_view"] == ("dl_device_type" in doc), doc.splitlines()[:1]
+    assert rt.PINNED_VIEW is rt.NATIVE["pinned_view"]
+
+
+def test_dlpack_1_where_jax_asks_for_it():
+    assert rt.NATIVE["dlpack_1"] == (tuple(stock_dlpack.DLPACK_VERSION) >= (1, 0))
+    assert rt.NATIVE_DLPACK_1 is rt.NATIVE["dlpack_1"]
+
+
+def test_one_entry_per_capability():
+    assert set(rt.NATIVE) == set(rt.NATIVE_SINCE)
+    assert all(type(v) is int and v > 0 for v in rt.NATIVE_SINCE.values())
+    assert rt.EXTENSION_VERSION > 0
