@@ -1,4 +1,4 @@
-"""jax_overlay: safe, zero-copy, stream-ordered GPU array interchange for JAX.
+"""Room: the public names.  jax_overlay: safe, zero-copy, stream-ordered GPU array interchange for JAX.
 
     import jax_overlay
     x = jax_overlay.from_cuda_array_interface(cupy_array)

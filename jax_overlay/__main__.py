@@ -1,3 +1,5 @@
+"""Room: `python -m jax_overlay`: the doctor's command line."""
+
 import argparse
 import sys
 

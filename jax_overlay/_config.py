@@ -1,4 +1,4 @@
-"""Switches, read from the environment at import and settable at run time:
+"""Room: the configuration.  Switches, read from the environment at import and settable at run time:
 
     jax_overlay.config.cai_sync = False       # or JAX_OVERLAY_CAI_SYNC=0
     jax_overlay.config.cai_read_only = True   # or JAX_OVERLAY_CAI_READ_ONLY=1

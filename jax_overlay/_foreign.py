@@ -1,9 +1,9 @@
-"""Foreign functions inside jax.jit: a function written for another array
-library runs on views of XLA's own buffers, through
+"""Room: foreign functions inside jax.jit.  A function written for another
+array library runs on views of XLA's own buffers, through
 ``jax.experimental.buffer_callback``, with no copy of its inputs and no
 host synchronisation beyond what the library itself does.
 
-Room: functions inside jit.  Frameworks are the peers with an adapter
+Frameworks are the peers with an adapter
 (jax_overlay.peers): ``"numpy"`` (host buffers, the CPU backend);
 ``"torch"``, ``"cupy"`` and ``"numba"`` (device buffers, on XLA's own CUDA
 stream); ``"torch"`` also on host buffers (the CPU backend).  Each adapter

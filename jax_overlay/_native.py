@@ -1,4 +1,4 @@
-"""The native module, checked before anything uses it.
+"""Room: the native module, checked before anything uses it.
 
 ``import jax_overlay`` imports this first.  It raises ImportError, saying
 what happened and the command that fixes it, when

@@ -1,4 +1,4 @@
-"""Sharded arrays and the interchange protocols, which describe one buffer
+"""Room: sharded arrays.  Sharded arrays and the interchange protocols, which describe one buffer
 each: per-shard export (to_shards) and zero-copy assembly of a global array
 from per-device arrays of other libraries (from_shards).  Both sit on the one import and
 export paths: a shard's ``data`` exports through ``__dlpack__`` /

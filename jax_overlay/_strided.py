@@ -1,5 +1,6 @@
-"""The GPU-side copy for layouts JAX cannot view: sliced, negative,
-broadcast and misaligned arrays.  The producer's memory is viewed as one
+"""Room: the strided copy (part of the neutral import): the GPU-side copy
+for layouts JAX cannot view (sliced, negative, broadcast and misaligned
+arrays).  The producer's memory is viewed as one
 1-D envelope (zero-copy) and one computation on the same device writes the
 compact result: no round trip through the host.
 

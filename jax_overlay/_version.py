@@ -1,4 +1,4 @@
-"""The version of jax_overlay, in this one place.
+"""Room: the version of jax_overlay, in this one place.
 
 pyproject.toml reads ``__version__`` from here (setuptools' dynamic
 version), ``jax_overlay.__version__`` is this, and the build compiles all

@@ -1,4 +1,4 @@
-"""`python -m jax_overlay doctor`: what this machine has, and a live round
+"""Room: the doctor.  `python -m jax_overlay doctor`: what this machine has, and a live round
 trip on every interchange path it can run, with stock JAX and with
 jax_overlay installed, in one table.
 

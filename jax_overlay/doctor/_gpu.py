@@ -1,4 +1,4 @@
-"""The doctor's GPU rows: CuPy, PyTorch and Numba arrays into JAX, and JAX
+"""Room: the doctor's GPU rows: CuPy, PyTorch and Numba arrays into JAX, and JAX
 arrays out to them, over the CUDA Array Interface and DLPack, on device,
 pinned host and managed memory; an in-flight producer wherever the memory
 has a stream.  Peers are imported when a row is built, never before."""

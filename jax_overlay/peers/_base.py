@@ -1,4 +1,4 @@
-"""The peer interface, and the base of every ``jax_overlay.foreign``
+"""Room: the peers' interface.  The peer interface, and the base of every ``jax_overlay.foreign``
 adapter over XLA's device buffers.  Nothing here imports a library."""
 
 from __future__ import annotations
