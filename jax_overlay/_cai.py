@@ -101,7 +101,8 @@ def cuda_array_interface(x: jax.Array, *, stream: int | None = None,
     return _describe(x, stream, read_only, False)
 
 
-def _describe(x, stream, read_only, host):
+def _describe(x: jax.Array, stream: int | None, read_only: bool | None,
+              host: bool) -> dict[str, Any]:
     """cuda_array_interface; `host` describes CPU arrays too (host memory:
     the tests check the dict builder on real JAX buffers where CI has no
     GPU)."""

@@ -282,12 +282,13 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
       so nothing is allocated; with ``out=True``, ``fn`` updates it in place.
     * Views live for the call only: anything ``fn`` keeps must be a copy.
     """
-    peers.foreign_peer(framework)  # ValueError naming the frameworks
+    peer = peers.foreign_peer(framework)  # ValueError naming the frameworks
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__qualname__}")
-    if isinstance(vjp, str) and (vjp != "autograd" or framework != "torch"):
+    if isinstance(vjp, str) and (vjp != "autograd" or peer.autograd is None):
+        with_autograd = " or ".join(repr(n) for n, p in peers.REGISTRY.items() if p.autograd)
         raise ValueError(
-            f"vjp={vjp!r}: the one named vjp is 'autograd', for framework='torch'; "
+            f"vjp={vjp!r}: the one named vjp is 'autograd', for framework={with_autograd}; "
             "otherwise pass a function of the same framework")
     if vjp == "autograd" and out:
         raise ValueError(
@@ -325,7 +326,7 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         return functools.wraps(fn)(call)
 
     if vjp == "autograd":
-        backward_fn = peers.torch.autograd_vjp(fn)
+        backward_fn = peer.autograd(fn)
     else:
         backward_fn = vjp
 

@@ -31,6 +31,10 @@ class Peer:
     # (no adapter).
     runs_on: str | None | bool = False
 
+    # fn -> the backward of fn by the library's own autodiff, as a foreign
+    # function of this framework (foreign(vjp="autograd")); None: it has none.
+    autograd: Any = None
+
     def owns(self, t: type) -> bool:
         """Whether `t` is the library's array type: one rule, by type, that
         never imports the library."""

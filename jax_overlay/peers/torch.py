@@ -95,6 +95,10 @@ class Torch(Peer):
     def adapter(self):
         return Foreign(self)
 
+    @staticmethod
+    def autograd(fn):
+        return autograd_vjp(fn)
+
 
 @functools.cache
 def _facts():
