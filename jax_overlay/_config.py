@@ -4,6 +4,7 @@
     jax_overlay.config.cai_read_only = True   # or JAX_OVERLAY_CAI_READ_ONLY=1
     jax_overlay.config.strided_kernel = False # or JAX_OVERLAY_STRIDED_KERNEL=0
     jax_overlay.config.strict_copy = True     # or JAX_OVERLAY_STRICT_COPY=1
+    jax_overlay.config.agree_timeout_s = 60.0 # or JAX_OVERLAY_AGREE_TIMEOUT_S=60
 """
 
 from __future__ import annotations
@@ -20,6 +21,19 @@ def _flag(name: str, default: bool) -> bool:
     if value.lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name}={value!r}: use 1 or 0")
+
+
+def _seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{name}={value!r}: use a positive number of seconds")
+    return seconds
 
 
 class Config:
@@ -41,18 +55,24 @@ class Config:
     strict_copy: ``copy=False`` also refuses the conversion of 64-bit data
     to 32 bits (JAX's default mode), as the Array API reads ``copy=False``.
     Off by default: stock JAX converts whatever ``copy`` says, and code
-    that passes ``copy=False`` for every tensor relies on it."""
+    that passes ``copy=False`` for every tensor relies on it.
+
+    agree_timeout_s: how long ``from_shards`` under ``jax.distributed`` waits
+    for every other process's account of its shards before it raises (a
+    process that never calls it, or died): a clear error, never a hang."""
 
     cai_sync: bool
     cai_read_only: bool
     strided_kernel: bool
     strict_copy: bool
+    agree_timeout_s: float
 
     def __init__(self) -> None:
         self.cai_sync = _flag("JAX_OVERLAY_CAI_SYNC", True)
         self.cai_read_only = _flag("JAX_OVERLAY_CAI_READ_ONLY", False)
         self.strided_kernel = _flag("JAX_OVERLAY_STRIDED_KERNEL", True)
         self.strict_copy = _flag("JAX_OVERLAY_STRICT_COPY", False)
+        self.agree_timeout_s = _seconds("JAX_OVERLAY_AGREE_TIMEOUT_S", 60.0)
 
 
 config = Config()

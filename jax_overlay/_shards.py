@@ -7,6 +7,7 @@ code as ``jax_overlay.from_dlpack`` / ``from_cuda_array_interface``."""
 
 from __future__ import annotations
 
+import json
 import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -16,6 +17,7 @@ import jax
 from . import _route
 from . import _runtime as rt
 from . import _view
+from ._config import config
 
 
 class Shard(NamedTuple):
@@ -157,9 +159,38 @@ def from_shards(arrays: list[Any] | tuple[Any, ...] | dict[jax.Device, Any],
     * ``copy``: as for the imports: None copies (on the same device) only an
       array no view can hold (strided or misaligned), False raises
       BufferError instead, True gives fresh buffers.
+    * Under ``jax.distributed``, a sharding over every process's devices:
+      each process passes its own addressable shards, and all processes
+      agree (through JAX's distributed key-value store) before any
+      assembles.  A bad shard in one process is the same error in every
+      process.  A process that does not call ``from_shards`` within
+      ``config.agree_timeout_s`` makes the others raise BufferError, so
+      nothing waits forever in a collective.  Every process must call it
+      for such an array, in the same order.
     """
     if not isinstance(sharding, jax.sharding.Sharding):
         raise TypeError(f"sharding must be a jax.sharding.Sharding, got {_name(sharding)}")
+    if not _spans_processes(sharding):
+        shape, arrs = _assemble(arrays, sharding, global_shape, copy)
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrs)
+    # Under jax.distributed: every process checks its own shards, then all
+    # agree before any assembles, so a bad shard in one process is the same
+    # clear error in every process, not a collective that waits forever.
+    try:
+        shape, arrs = _assemble(arrays, sharding, global_shape, copy)
+        mine = {"error": None, "dtype": str(arrs[0].dtype) if arrs else None,
+                "shape": list(shape), "devices": len(sharding.device_set)}
+        local = None
+    except Exception as e:  # noqa: BLE001 - every failure is reported to the others first
+        mine = {"error": f"{type(e).__name__}: {e}", "class": type(e).__name__}
+        local = e
+    _agree(mine, local)
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrs)
+
+
+def _assemble(arrays, sharding, global_shape, copy):
+    """(global shape, single-device arrays in the sharding's device order)
+    for this process's addressable devices, every check made."""
     order = rt.addressable_devices(sharding)
     keyed = isinstance(arrays, dict)
     if keyed:
@@ -212,5 +243,72 @@ def from_shards(arrays: list[Any] | tuple[Any, ...] | dict[jax.Device, Any],
     # Lifetime: the global array holds the very buffers of these single-device
     # arrays, and each buffer holds its producer until PJRT frees it, so the
     # intermediates can go.
-    return jax.make_array_from_single_device_arrays(
-        shape, sharding, [arr for _, _, arr in shards])
+    return shape, [arr for _, _, arr in shards]
+
+
+def _spans_processes(sharding) -> bool:
+    """Whether the sharding has devices of other processes (jax.distributed)."""
+    return jax.process_count() > 1 and not sharding.is_fully_addressable
+
+
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "BufferError": BufferError}
+_calls = 0  # this process's multi-process from_shards calls: the agreement's key
+
+
+def _agree(mine, local):
+    """Every process's account of one from_shards call ({"error": ...} or its
+    dtype, global shape and device count), exchanged through JAX's own
+    distributed key-value store; raises the same error in every process
+    where any process failed or the accounts differ, and a clear error
+    after config.agree_timeout_s where a process does not report (it
+    never called from_shards, or died).  Processes call from_shards in the
+    same order, so the n-th call of each is the same call."""
+    global _calls
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        raise BufferError(
+            "from_shards: the sharding spans several processes, but JAX's distributed "
+            "runtime is not initialised here; call jax.distributed.initialize() first")
+    _calls += 1
+    me, n = jax.process_index(), jax.process_count()
+    key = f"jax_overlay/from_shards/{_calls}"
+    client.key_value_set(f"{key}/{me}", json.dumps(mine))
+    timeout_ms = max(1, int(config.agree_timeout_s * 1000))
+    accounts = {}
+    for p in range(n):
+        if p == me:
+            accounts[p] = mine
+            continue
+        try:
+            accounts[p] = json.loads(client.blocking_key_value_get(f"{key}/{p}", timeout_ms))
+        except Exception as e:  # jaxlib's deadline error
+            raise BufferError(
+                f"from_shards: process {p} of {n} gave no account of its shards within "
+                f"{config.agree_timeout_s:g} s (it did not call from_shards, called it in "
+                "another order, or died); every process must call from_shards for an "
+                f"array that spans them, in the same order ({type(e).__name__}: {e})") from local
+    # Every process wrote this call's account after reading all of the
+    # previous call's: that key of ours can go.
+    if _calls > 1:
+        try:
+            client.key_value_delete(f"jax_overlay/from_shards/{_calls - 1}/{me}")
+        except Exception:  # noqa: BLE001 - only tidiness
+            pass
+    failed = {p: a for p, a in sorted(accounts.items()) if a.get("error")}
+    if failed:
+        first = next(iter(failed.values()))
+        cls = _ERRORS.get(first.get("class"), ValueError)
+        raise cls(
+            "from_shards failed in "
+            + "; ".join(f"process {p}: {a['error']}" for p, a in failed.items())
+            + f" (every one of the {n} processes raises this error)") from local
+    for field, what in (("dtype", "dtype"), ("shape", "global shape"),
+                        ("devices", "sharding's device count")):
+        seen = {p: a[field] for p, a in accounts.items()}
+        if len({json.dumps(v) for v in seen.values()}) > 1:
+            raise ValueError(
+                f"from_shards: the processes disagree on the {what}: "
+                + ", ".join(f"process {p}: {v}" for p, v in sorted(seen.items()))
+                + f"; every process must pass shards of one array (every one of the {n} "
+                "processes raises this error)")
