@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from . import peers
-from .errors import ForeignError
+from .errors import ForeignError, JaxRuntimeError, like_stock
 
 
 _local = threading.local()
@@ -160,9 +160,10 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out):
         except Exception as e:
             # XLA reports it as its runtime error, with this message and the
             # traceback of fn's own exception.
+            # Its class and message first: that is the line a reader needs.
             raise ForeignError(
-                f"the foreign function {getattr(fn, '__qualname__', fn)!r} raised "
-                f"{type(e).__qualname__}: {e}") from e
+                f"{type(e).__qualname__}: {e} (raised by the foreign function "
+                f"{getattr(fn, '__qualname__', fn)!r})") from e
         for t in tokens:
             if t() is not None:
                 _kept(tokens)
@@ -283,6 +284,10 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
     * Views live for the call only: anything ``fn`` keeps must be a copy.
     """
     peer = peers.foreign_peer(framework)  # ValueError naming the frameworks
+    if vmap_method is not None and vmap_method not in VMAP_METHODS:
+        raise ValueError(
+            f"vmap_method={vmap_method!r}: pass one of {', '.join(map(repr, VMAP_METHODS))} "
+            "(as for jax.pure_callback), or None for a function never batched")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__qualname__}")
     if isinstance(vjp, str) and (vjp != "autograd" or peer.autograd is None):
@@ -319,7 +324,10 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         in_leaves, in_tree = jax.tree_util.tree_flatten(args)
         aliases = (() if input_output_aliases is None
                    else _aliases(input_output_aliases, in_leaves, out_leaves))
-        flat = _compiled(in_tree, (out_tree, tuple(out_leaves)), aliases)(*in_leaves)
+        try:
+            flat = _compiled(in_tree, (out_tree, tuple(out_leaves)), aliases)(*in_leaves)
+        except Exception as e:
+            raise _explained(e, fn) from e
         return jax.tree_util.tree_unflatten(out_tree, flat)
 
     if vjp is None:
@@ -328,7 +336,7 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
     if vjp == "autograd":
         backward_fn = peer.autograd(fn)
     else:
-        backward_fn = vjp
+        backward_fn = _one_per_input(vjp)
 
     def vjp_spec(*args):
         return tuple(args[:-1])  # one cotangent per input, shaped as it
@@ -347,6 +355,61 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
 
     differentiable.defvjp(fwd, bwd)
     return functools.wraps(fn)(differentiable)
+
+
+# vmap_method values jax.pure_callback and buffer_callback take.
+VMAP_METHODS = ("sequential", "sequential_unrolled", "expand_dims", "broadcast_all",
+                "legacy_vectorized")
+
+
+def _explained(e, fn):
+    """The exception to raise for `e`, raised while a foreign call was traced
+    or run eagerly: JAX's own errors for what foreign() has an argument for
+    name that argument; fn's own failure comes back with its class and
+    message first (XLA's runtime error puts a traceback before them); any
+    other error is `e` itself."""
+    name = getattr(fn, "__qualname__", fn)
+    text = str(e)
+    if isinstance(e, ValueError) and "do not support JVP" in text:
+        autograd = " or ".join(repr(n) for n, p in peers.REGISTRY.items() if p.autograd)
+        return ValueError(
+            f"the foreign function {name!r} has no derivative: pass foreign(..., vjp=...) a "
+            "function of (inputs..., cotangent) returning one cotangent per input, or "
+            f"vjp='autograd' with framework={autograd}")
+    if isinstance(e, NotImplementedError) and "vmap_method" in text:
+        return NotImplementedError(
+            f"the foreign function {name!r} is batched by jax.vmap, and was made without "
+            f"vmap_method=: pass foreign(..., vmap_method=...) one of "
+            f"{', '.join(map(repr, VMAP_METHODS))} (as for jax.pure_callback)")
+    marker = "ForeignError: "
+    if isinstance(e, JaxRuntimeError) and marker in text:
+        return like_stock(ForeignError(text[text.rindex(marker) + len(marker):].strip()),
+                          JaxRuntimeError)
+    return e
+
+
+def _one_per_input(vjp):
+    """`vjp` taking a bare cotangent for one input (as PyTorch's autograd
+    does) as the tuple of one; any other count than one per input is an
+    error naming the vjp."""
+    name = getattr(vjp, "__qualname__", vjp)
+
+    @functools.wraps(vjp)
+    def backward(*args):
+        got = vjp(*args)
+        n = len(args) - 1
+        if not isinstance(got, (tuple, list)):
+            if n == 1:
+                return (got,)
+            raise ForeignError(
+                f"the vjp {name!r} returned a {type(got).__qualname__} for {n} inputs; "
+                "return a tuple with one cotangent per input")
+        if len(got) != n:
+            raise ForeignError(
+                f"the vjp {name!r} returned {len(got)} cotangents for {n} inputs; "
+                "return a tuple with one cotangent per input")
+        return tuple(got)
+    return backward
 
 
 def _cotangents(residuals, got):

@@ -279,8 +279,42 @@ def test_exception_in_fn_reaches_the_caller():
         jax.jit(f)(on_cpu(jnp.ones(3))).block_until_ready()
     text = str(e.value)
     assert "ForeignError" in text and "KeyError" in text and "no such column" in text
+    # Called eagerly, fn's class and message come first, in an error that is
+    # ours and XLA's runtime error at once.
+    with pytest.raises(jax_overlay.ForeignError) as e:
+        f(on_cpu(jnp.ones(3))).block_until_ready()
+    assert isinstance(e.value, jax.errors.JaxRuntimeError)
+    assert str(e.value).startswith("KeyError: 'no such column' (raised by the foreign function"), e.value
     # The runtime is still usable afterwards.
     np.testing.assert_array_equal(np.asarray(jnp.ones(3) + 1), 2)
+
+
+def test_what_foreign_has_an_argument_for_is_named():
+    f = numpy_fn(lambda x: x * 2)
+    x = on_cpu(jnp.ones(3))
+    with pytest.raises(ValueError, match=r"<lambda>' has no derivative: pass foreign\(\.\.\., vjp=\.\.\.\)"):
+        jax.grad(lambda x: f(x).sum())(x)
+    with pytest.raises(ValueError, match=r"has no derivative"):
+        jax.jit(jax.grad(lambda x: f(x).sum()))(x)
+    with pytest.raises(NotImplementedError, match=r"made without vmap_method=: pass foreign\(\.\.\., vmap_method"):
+        jax.vmap(f)(on_cpu(jnp.ones((2, 3))))
+    # A bad vmap_method is refused when the function is made, not when batched.
+    with pytest.raises(ValueError, match=r"vmap_method='bogus': pass one of 'sequential'"):
+        numpy_fn(lambda x: x, vmap_method="bogus")
+
+
+def test_a_vjp_may_return_a_bare_cotangent_for_one_input():
+    f = numpy_fn(lambda x: np.sin(x), vjp=lambda x, ct: np.cos(x) * ct)  # no tuple
+    x = on_cpu(jnp.linspace(-1, 1, 5, dtype=jnp.float32))
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda x: f(x).sum())(x)),
+                               np.cos(np.asarray(x)), rtol=1e-6)
+    two = numpy_fn(lambda a, b: a * b, lambda a, b: a,
+                   vjp=lambda a, b, ct: a * ct)  # a bare array for two inputs
+    with pytest.raises(Exception, match=r"the vjp '.*<lambda>' returned a ndarray for 2 inputs; return a tuple"):
+        jax.grad(lambda a: two(a, a).sum())(x).block_until_ready()
+    three = numpy_fn(lambda a, b: a * b, lambda a, b: a, vjp=lambda a, b, ct: (ct, ct, ct))
+    with pytest.raises(Exception, match=r"returned 3 cotangents for 2 inputs"):
+        jax.grad(lambda a: three(a, a).sum())(x).block_until_ready()
 
 
 @pytest.mark.parametrize("ret,words", [
