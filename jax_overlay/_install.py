@@ -216,12 +216,14 @@ def _placeable(device, kwargs):
             and kwargs.get("out_sharding") is None)
 
 
-def _constructor(a, copy, device, kwargs, reads_cai, call, finish):
+def _constructor(a, copy, device, kwargs, reads_cai, call, finish, converts=False):
     """The one flow of jnp.asarray and jnp.array.  `call(x, device)` is
     JAX's own function with the caller's other arguments; `finish(view,
     copied)` hands it a peer array's import, already placed.  `reads_cai()`
     says, for a NumPy subclass only, whether stock reads its CAI
-    (_reads_cai); NumPy arrays themselves go to JAX before it is asked."""
+    (_reads_cai); NumPy arrays themselves go to JAX before it is asked.
+    `converts`: the caller asked for a dtype, which JAX converts in device
+    memory only."""
     if type(a) in _JAX_NATIVE or not _placeable(device, kwargs):
         return call(a, device)
     # Stock's CAI import raises jaxlib's runtime error for what it refuses.
@@ -232,10 +234,24 @@ def _constructor(a, copy, device, kwargs, reads_cai, call, finish):
     if type(hit) is _Refused:
         return _stock_after(hit, lambda: call(a, device))
     view, copied = hit
-    if device is not None:
-        # Placed first: JAX's asarray/array cannot move a committed array.
-        view, copied = _move(view, copied, device, copy)
-    return finish(view, copied)
+    if device is None:
+        return finish(view, copied)
+    target = device
+    if (converts and isinstance(device, jax.sharding.Sharding)
+            and device.memory_kind not in (None, "device")):
+        # XLA converts dtypes in device memory only (a conversion of a
+        # pinned_host array failed to compile on the H100: "E1200:
+        # CompileTimeHostOffloadOutputLocationMismatch"): converted there,
+        # then moved where asked.
+        target = device.with_memory_kind("device")
+    # Placed first: JAX's asarray/array cannot move a committed array.
+    view, copied = _move(view, copied, target, copy)
+    out = finish(view, copied)
+    if isinstance(device, jax.sharding.Sharding) and out.sharding != device:
+        # Stock's result has the very sharding asked for (its type, its
+        # memory kind): where only the type differs, JAX relabels it.
+        out = rt.device_put(out, device)
+    return out
 
 
 def _asarray(orig):
@@ -254,7 +270,8 @@ def _asarray(orig):
             a, copy, device, kwargs,
             lambda: _reads_cai(a, dtype, bool(copy), device, out_sharding=kwargs.get("out_sharding"),
                                refuse=copy is False),
-            lambda x, d: orig(x, dtype, order, copy=copy, device=d, **kwargs), finish)
+            lambda x, d: orig(x, dtype, order, copy=copy, device=d, **kwargs), finish,
+            dtype is not None)
     return asarray
 
 
@@ -275,7 +292,7 @@ def _array(orig):
             object, copy, device, kwargs,
             lambda: _reads_cai(object, dtype, copy, device, ndmin, kwargs.get("out_sharding")),
             lambda x, d: orig(x, dtype, copy=copy, order=order, ndmin=ndmin, device=d, **kwargs),
-            finish)
+            finish, dtype is not None)
     return array
 
 
@@ -311,9 +328,29 @@ def _device_put(orig):
         if t is not list and t is not tuple and t is not dict:
             view = _leaf(x)
             if view is not x:
-                return orig(view, *args, **kwargs)
-        return orig(jax.tree_util.tree_map(_leaf, x), *args, **kwargs)
+                return _as_stock_fails(orig, x, view, args, kwargs)
+        views = jax.tree_util.tree_map(_leaf, x)
+        return _as_stock_fails(orig, x, views, args, kwargs)
     return device_put
+
+
+def _as_stock_fails(orig, x, views, args, kwargs):
+    """orig(views, ...); where that fails for another reason (a bad device=),
+    the error is also an instance of the class stock raises for `x`, whose
+    peer arrays it refuses before it reads anything else (InvalidInput
+    Exception or TypeError: jax.device_put takes no peer array)."""
+    try:
+        return orig(views, *args, **kwargs)
+    except Exception as e:
+        if views is x:
+            raise
+        try:
+            orig(x, *args, **kwargs)  # stock, on the caller's own leaves
+        except Exception as stock:
+            if isinstance(e, type(stock)):
+                raise
+            raise like_stock(e, type(stock)) from e
+        raise
 
 
 def _ours_to_read(device, copy):

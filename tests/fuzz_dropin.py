@@ -755,11 +755,14 @@ def _truth_fields(h, truth, narrowed=False):
     if truth is None:
         return {}
     t = np.asarray(truth)
-    same = h.dtype == t.dtype.newbyteorder("=")
-    if not (same or narrowed and (t.dtype.name, h.dtype.name) in NARROWING) or h.size != t.size:
-        return {}
     strip = lambda s: tuple(s[next((i for i, d in enumerate(s) if d != 1), len(s)):])  # noqa: E731
     if strip(h.shape) != strip(t.shape):  # ndmin= adds leading ones
+        # No entry point reshapes: another shape is not the producer's array
+        # (stock's jnp.asarray(obj, dtype=bool) of an object it cannot read
+        # is bool(obj), a scalar; seen on the H100 for DLPack-only objects).
+        return {"truth": False}
+    same = h.dtype == t.dtype.newbyteorder("=")
+    if not (same or narrowed and (t.dtype.name, h.dtype.name) in NARROWING) or h.size != t.size:
         return {}
     want = t.astype(h.dtype).reshape(h.shape)
     if not same:

@@ -166,3 +166,52 @@ def test_errors_reach_the_caller(routed):
     # with the overlay's reason in the message or a note.
     with pytest.raises(JaxRuntimeError, match="mask"):
         jnp.asarray(T.HostCAI(host(), mask=T.HostCAI(np.ones(3, bool))))
+
+
+CPU0 = jax.devices("cpu")[0]
+
+
+@pytest.mark.usefixtures("routed")
+@pytest.mark.parametrize("name", ["asarray", "array"])
+def test_device_sharding_is_the_one_asked_for(name):
+    """A peer array placed by device=<a sharding>: the result carries that
+    very sharding, as stock's does (the H100 fuzz: a NamedSharding asked
+    for came back as a SingleDeviceSharding over the same device)."""
+    entry = getattr(jnp, name)  # installed: read at call time
+    a = host()
+    named = jax.sharding.NamedSharding(jax.make_mesh((1,), ("x",), devices=[CPU0]),
+                                       jax.sharding.PartitionSpec())
+    out = entry(T.HostCAI(a), device=named)
+    assert out.sharding == named and type(out.sharding) is jax.sharding.NamedSharding
+    np.testing.assert_array_equal(np.asarray(out), a)
+
+
+@pytest.mark.usefixtures("routed")
+@pytest.mark.parametrize("name", ["asarray", "array"])
+def test_a_conversion_onto_pinned_host_memory(name):
+    """dtype= with device= a pinned_host sharding: converted in device
+    memory, then placed in pinned_host memory, as stock places it (the
+    H100 fuzz: the overlay converted in pinned_host memory, which XLA failed
+    to compile, or left the result in device memory)."""
+    entry = getattr(jnp, name)  # installed: read at call time
+    a = host(dtype=np.int16)
+    pinned = jax.sharding.SingleDeviceSharding(CPU0, memory_kind="pinned_host")
+    out = entry(T.HostCAI(a), dtype=jnp.int32, device=pinned)
+    assert out.dtype == jnp.int32 and out.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(out), a.astype(np.int32))
+    empty = entry(T.HostCAI(host((0, 3), np.int16)), dtype=jnp.bool_, device=pinned)
+    assert empty.shape == (0, 3) and empty.sharding.memory_kind == "pinned_host"
+
+
+@pytest.mark.usefixtures("routed")
+def test_device_put_of_a_peer_array_with_a_bad_device_fails_as_stock():
+    """jax.device_put refuses every peer array (TypeError); with a device=
+    it cannot read either, the overlay's error is an instance of stock's
+    class too (the H100 fuzz: ValueError where stock raised TypeError)."""
+    p = T.HostCAI(host())
+    jax_overlay.uninstall()
+    with pytest.raises(Exception) as stock:
+        jax.device_put(p, object())
+    jax_overlay.install()
+    with pytest.raises(type(stock.value)):
+        jax.device_put(p, object())

@@ -379,7 +379,11 @@ class Numba:
         dst.copy_to_device(src, stream=stream)
 
     def pending(self, stream):
-        return not stream.query()
+        # Numba's Stream has no query(): the driver's, through the test hook.
+        from jax_overlay import _xla_ext as ext
+        h = stream.handle
+        handle = h.value if hasattr(h, "value") else int(h)
+        return not ext.stream_idle(self.cuda.get_current_device().id, handle or 0)
 
     def sync(self, dev):
         with self.cuda.gpus[dev]:
@@ -568,7 +572,14 @@ class Family:
             yield
             if in_flight:
                 self.counts["in flight: calls returned"] += 1
-                self.counts["in flight: still pending after the call"] += lib.pending(stream)
+                # A statistic only: the harness's own query never becomes the
+                # call's outcome (numba-cuda 0.30's Stream had no query(): on
+                # the H100, 2026-12-05, that AttributeError was judged as an
+                # exception-class difference in 374 cases).
+                try:
+                    self.counts["in flight: still pending after the call"] += lib.pending(stream)
+                except Exception as e:  # noqa: BLE001
+                    self.counts[f"in flight: pending unknown ({type(e).__name__})"] += 1
 
     def _release(self, lib, other, kind, stream, dev, shape):
         def release(produced):

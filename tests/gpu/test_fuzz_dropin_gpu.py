@@ -9,7 +9,11 @@ their stream is caught.  The long run: tools/fuzz_dropin.py --gpu
 from __future__ import annotations
 
 import collections
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +43,28 @@ def x64_kept():
     F.set_x64(was)
 
 
+TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "fuzz_dropin.py"
+
+
+def _run_slice(name, x64, tmp_path):
+    """The slice, in the long run's worker processes (tools/fuzz_dropin.py):
+    a case that crashes its process (stock JAX reading freed memory did, in
+    this pytest process, on the H100 on 2026-12-05) is a finding with its
+    reproducer, not the end of the suite."""
+    out = tmp_path / f"{name}-{x64}.json"
+    r = subprocess.run(
+        [sys.executable, str(TOOL), "--gpu", name, "--seed", str(SEED), "--cases", str(CASES),
+         "--x64", str(x64), "--jobs", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert out.exists(), f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
 @pytest.mark.parametrize("x64", [0, 1], ids=["x32", "x64"])
 @pytest.mark.parametrize("name", G.NAMES)
-def test_gpu_slice(name, x64, x64_kept):
+def test_gpu_slice(name, x64, tmp_path):
     _family(name)
-    out = F.run_range(SEED, 0, CASES, x64, family=name)
+    out = _run_slice(name, x64, tmp_path)
     c = out["counts"]
     lines = [f"{d['reproducer']}\n    {d['case']}\n    stock:     {d['stock']}\n"
              f"    installed: {d['installed']}\n    [{d['category']}] {d['detail']}"
