@@ -575,7 +575,7 @@ class Family:
                 # A statistic only: the harness's own query never becomes the
                 # call's outcome (numba-cuda 0.30's Stream had no query(): on
                 # the H100, 2026-12-05, that AttributeError was judged as an
-                # exception-class difference in 374 cases).
+                # exception-class difference in 352 cases).
                 try:
                     self.counts["in flight: still pending after the call"] += lib.pending(stream)
                 except Exception as e:  # noqa: BLE001
