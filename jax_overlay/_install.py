@@ -238,7 +238,8 @@ def _constructor(a, copy, device, kwargs, reads_cai, call, finish, converts=Fals
         return finish(view, copied)
     target = device
     if (converts and isinstance(device, jax.sharding.Sharding)
-            and device.memory_kind not in (None, "device")):
+            and device.memory_kind not in (None, "device")
+            and hasattr(device, "with_memory_kind")):
         # XLA converts dtypes in device memory only (a conversion of a
         # pinned_host array failed to compile on the H100: "E1200:
         # CompileTimeHostOffloadOutputLocationMismatch"): converted there,
