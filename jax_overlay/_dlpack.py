@@ -31,6 +31,8 @@ else:
 
 _NAMES = {KDLCPU: "kDLCPU", KDLCUDA: "kDLCUDA", KDLCUDAHOST: "kDLCUDAHost",
           KDLCUDAMANAGED: "kDLCUDAManaged"}
+# Memory the host reads through its own pointer.
+_HOST_TYPES = frozenset({KDLCPU, KDLCUDAHOST})
 # The newest version asked for and written: the native core's.
 MAX_VERSION = tuple(ext.DLPACK_VERSION)
 _LEGACY_STREAM = 1
@@ -582,6 +584,18 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None, resolve=No
     # pinned tensors say kDLCUDAHost and ship kDLCPU): the advertised one is
     # where the memory is.
     dl_type, dl_id = advertised or (plan.device_type, plan.device_id)
+    if dl_type in _HOST_TYPES and plan.device_type in (KDLCUDA, KDLCUDAMANAGED):
+        # Host memory advertised for a device pointer: read by the host as
+        # advertised, it faults the process (a wrapper advertising (kDLCPU,
+        # 0) over CuPy's device memory crashed the overlay's import on the
+        # H100, 2026-12-05).  Refused; the capsule's deleter runs.
+        ext.release_capsule(cap)
+        raise like_stock(BufferError(
+            f"the producer's __dlpack_device__() says {(int(dl_type), int(dl_id))} "
+            f"({_NAMES.get(dl_type, dl_type)}), but its capsule holds "
+            f"{_NAMES[plan.device_type]} memory {(plan.device_type, plan.device_id)}: one of "
+            "them is wrong, and reading the memory as the other would fault; fix the "
+            "producer's __dlpack_device__"), JaxRuntimeError)
     _check_type(dl_type)
     if view.numel == 0:
         ext.release_capsule(cap)

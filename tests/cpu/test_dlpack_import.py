@@ -315,3 +315,31 @@ def test_strided_copy_keeps_every_bit(dtype, code):
     cap = ext.raw_capsule(raw, raw.ctypes.data, [n], [2], code, 1, 0)
     x = jax_overlay.from_dlpack(cap)
     assert np.asarray(x).tobytes() == patterns.tobytes()
+
+
+class Lying:
+    """A producer whose __dlpack_device__ says host memory while its capsule
+    says CUDA memory (the GPU fuzz's wrapper over a CuPy array, which
+    crashed the import on the H100)."""
+
+    def __init__(self, array, capsule_device):
+        self.array, self.capsule_device = array, capsule_device
+
+    def __dlpack__(self, *, stream=None, **kw):
+        cap, self.key = T.forge_capsule(data=self.array.ctypes.data, device=self.capsule_device,
+                                        shape=self.array.shape, keep=self.array)
+        return cap
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+@pytest.mark.parametrize("capsule_device", [(2, 0), (13, 0)], ids=["kDLCUDA", "kDLCUDAManaged"])
+def test_host_advertised_over_device_memory_is_refused_not_read(capsule_device):
+    a = aligned((4, 4))
+    producer = Lying(a, capsule_device)
+    with pytest.raises(BufferError, match=r"says \(1, 0\) \(kDLCPU\), but its capsule holds "
+                                          r"kDLCUDA\w* memory") as e:
+        jax_overlay.from_dlpack(producer)
+    assert isinstance(e.value, jax.errors.JaxRuntimeError)
+    T.settle(lambda: T.forged_deletes.get(producer.key) == 1, "the refused capsule was not released")
