@@ -173,3 +173,33 @@ def test_many_imports_while_producer_busy_never_block(producer):
     s.synchronize()
     assert still_busy, "the producer ended before the imports did: an import waited for it"
     assert float(jnp.sum(kept[-1])) == 0.0
+
+
+@pytest.mark.parametrize("route", ["from_dlpack", "from_cuda_array_interface", "jnp.asarray"])
+@pytest.mark.parametrize("kind", list(STREAMS))
+def test_inflight_import_read_by_the_host_directly(kind, route):
+    """An in-flight producer's import read straight to the host (XLA's
+    device-to-host stream, not a computation on its compute stream): the
+    read waits for the producer's write only if the import's definition
+    event covers it, not only the compute stream's wait.  Written after the
+    GPU fuzz (H100, 2026-12-05) read stale values through np.asarray in
+    CuPy in-flight cases where every computation-based test here passes."""
+    stream, handle = STREAMS[kind]()
+    a = cp.zeros(1 << 20, cp.float32)
+    imp = {"from_dlpack": jax_overlay.from_dlpack,
+           "from_cuda_array_interface": jax_overlay.from_cuda_array_interface}.get(route)
+    stale = 0
+    with stream:
+        if imp is None:
+            jax_overlay.install()
+        try:
+            for k in range(1, TRIALS + 1):
+                spin_fill(a, float(k), ms=0.5, stream=stream)
+                x = (imp or jnp.asarray)(a)
+                h = np.asarray(x)  # a host read, before any computation
+                stale += not (h.min() == h.max() == k)
+        finally:
+            if imp is None:
+                jax_overlay.uninstall()
+    stream.synchronize()
+    assert stale == 0, f"{stale} of {TRIALS} host reads were stale on the {kind} stream ({route})"
