@@ -19,8 +19,6 @@ ArrayImpl = type(jax.numpy.zeros(()))
 # JAX's own device_put, whatever install() later puts in its place.
 device_put = jax.device_put
 
-_KDLCUDAHOST = 3
-
 # What the running jaxlib does natively, in one table: each capability with
 # the jaxlib extension version that brought it (jax's own gates read the
 # same number).  Where stock is already right and safe, the overlay steps
@@ -45,7 +43,10 @@ def _capsule_to_array_before_0_10_2(cap, device, stream, copy, dl_type):
     """jaxlib < 0.10.2 reads no device type and has no pinned_host view:
     pinned memory is viewed by the CPU client, then copied into a
     pinned_host buffer of `device` (BufferError with copy=False)."""
-    if dl_type != _KDLCUDAHOST:
+    # The device codes' one declaration (_view imports this module, so the
+    # name is looked up at the call).
+    from ._view import KDLCUDAHOST
+    if dl_type != KDLCUDAHOST:
         return _jax.dlpack_managed_tensor_to_buffer(cap, device, stream, copy)
     if copy is False:
         raise BufferError(
