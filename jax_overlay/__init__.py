@@ -6,6 +6,8 @@
     jax_overlay.install()        # JAX's own entry points use the same paths
     shards = jax_overlay.to_shards(sharded_x)     # per-device export
     x = jax_overlay.from_shards([t0, t1], sharding)  # per-device import
+    h = jax_overlay.share(params)   # picklable; in another process:
+    params = jax_overlay.open_shared(h)          # zero-copy, same GPU
     f = jax_overlay.foreign(torch_fn, framework="torch", result_shape_dtypes=...)
 """
 
@@ -20,7 +22,8 @@ from ._foreign import foreign, foreign_stream
 from ._route import from_cuda_array_interface, from_dlpack
 from ._install import install, installed, uninstall
 from ._shards import Shard, from_shards, to_shards
+from ._ipc import Share, open_shared, share
 
 __all__ = ["CopyRequiredError", "ForeignError", "Shard", "config", "cuda_array_interface", "errors",
            "foreign", "foreign_stream", "from_cuda_array_interface", "from_dlpack", "from_shards", "install",
-           "installed", "to_dlpack", "to_shards", "uninstall"]
+           "installed", "open_shared", "share", "Share", "to_dlpack", "to_shards", "uninstall"]

@@ -12,6 +12,7 @@
 #include "ffi_handler.h"
 #include "gil_handoff.h"
 #include "import_plan.h"
+#include "ipc.h"
 #include "jax_overlay_build_info.h"  // generated: see build_info.py
 #include "layout.h"
 #include "strided_kernel.h"
@@ -514,6 +515,130 @@ PYBIND11_MODULE(_xla_ext, m) {
       "(the CUDA runtime's current device), restoring the caller's after; "
       "without a driver, just fn(*args).");
 
+
+  // Interprocess sharing (jax_overlay/_ipc.py).
+  auto check = [](bool ok, const Error& err) {
+    if (!ok) Raise(err);
+  };
+  m.def(
+      "allocation_of",
+      [check](int ordinal, uintptr_t ptr) {
+        ipc::Allocation a;
+        Error err;
+        check(ipc::AllocationOf(ordinal, ptr, &a, &err), err);
+        return py::make_tuple(a.base, a.size, a.block_id, a.handle_types,
+                              a.legacy_ipc);
+      },
+      py::arg("ordinal"), py::arg("ptr"),
+      "(base, size, block_id, handle_types, legacy_ipc) of the allocation "
+      "holding `ptr`.");
+  m.def(
+      "export_fd",
+      [check](int ordinal, uintptr_t ptr) {
+        int fd = -1;
+        Error err;
+        check(ipc::ExportFd(ordinal, ptr, &fd, &err), err);
+        return fd;
+      },
+      py::arg("ordinal"), py::arg("ptr"),
+      "A new POSIX file descriptor of the allocation holding `ptr` (the "
+      "caller closes it).");
+  m.def(
+      "device_uuid",
+      [check](int ordinal) {
+        std::string u;
+        Error err;
+        check(ipc::DeviceUuid(ordinal, &u, &err), err);
+        return py::bytes(u);
+      },
+      py::arg("ordinal"), "The device's 16-byte UUID.");
+  m.def(
+      "map_fd",
+      [check](int ordinal, int fd, size_t size) {
+        uintptr_t va = 0;
+        Error err;
+        check(ipc::MapFd(ordinal, fd, size, &va, &err), err);
+        return va;
+      },
+      py::arg("ordinal"), py::arg("fd"), py::arg("size"),
+      "Maps `size` bytes of another process's allocation (its descriptor, "
+      "not closed) for device `ordinal`; the address.");
+  m.def(
+      "unmap",
+      [check](int ordinal, uintptr_t va, size_t size, bool sync) {
+        Error err;
+        check(ipc::Unmap(ordinal, va, size, sync, &err), err);
+      },
+      py::arg("ordinal"), py::arg("va"), py::arg("size"), py::arg("sync"),
+      "Unmaps and frees the address range of map_fd or alloc_exportable; "
+      "`sync`: after all of the device's work.");
+  m.def(
+      "alloc_exportable",
+      [check](int ordinal, size_t nbytes) {
+        uintptr_t va = 0;
+        size_t size = 0;
+        Error err;
+        check(ipc::AllocExportable(ordinal, nbytes, &va, &size, &err), err);
+        return py::make_tuple(va, size);
+      },
+      py::arg("ordinal"), py::arg("nbytes"),
+      "(address, size) of a new exportable allocation, mapped here.");
+  m.def(
+      "new_stream",
+      [check](int ordinal) {
+        uintptr_t s = 0;
+        Error err;
+        check(ipc::NewStream(ordinal, &s, &err), err);
+        return s;
+      },
+      py::arg("ordinal"), "A new non-blocking stream (never destroyed).");
+  m.def(
+      "record_ipc_event",
+      [check](int ordinal, uintptr_t stream) {
+        uintptr_t ev = 0;
+        std::string h;
+        Error err;
+        check(ipc::RecordIpcEvent(ordinal, stream, &ev, &h, &err), err);
+        return py::make_tuple(ev, py::bytes(h));
+      },
+      py::arg("ordinal"), py::arg("stream"),
+      "(event, 64-byte handle) of an interprocess event recorded on "
+      "`stream`.");
+  m.def(
+      "destroy_event",
+      [check](int ordinal, uintptr_t event) {
+        Error err;
+        check(ipc::DestroyEvent(ordinal, event, &err), err);
+      },
+      py::arg("ordinal"), py::arg("event"));
+  m.def(
+      "event_done",
+      [check](int ordinal, uintptr_t event) {
+        bool done = false;
+        Error err;
+        check(ipc::EventDone(ordinal, event, &done, &err), err);
+        return done;
+      },
+      py::arg("ordinal"), py::arg("event"));
+  m.def(
+      "wait_ipc_event",
+      [check](int ordinal, py::bytes handle, uintptr_t stream) {
+        Error err;
+        check(ipc::WaitIpcEvent(ordinal, std::string(handle), stream, &err),
+              err);
+      },
+      py::arg("ordinal"), py::arg("handle"), py::arg("stream"),
+      "Makes `stream` wait on the GPU for another process's interprocess "
+      "event.");
+  m.def(
+      "copy_async",
+      [check](int ordinal, uintptr_t dst, uintptr_t src, size_t nbytes,
+              uintptr_t stream) {
+        Error err;
+        check(ipc::CopyAsync(ordinal, dst, src, nbytes, stream, &err), err);
+      },
+      py::arg("ordinal"), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+      py::arg("stream"));
 
   m.def(
       "strided_copy_handler",

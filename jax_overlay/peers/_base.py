@@ -60,6 +60,17 @@ class Peer:
         """A new adapter of ``foreign()`` (the library imported now)."""
         raise NotImplementedError(f"{self.title} has no foreign() adapter")
 
+    def current_stream(self, ordinal: int) -> int:
+        """The handle of the library's current stream on CUDA device
+        `ordinal` (0: the legacy default stream), which work on an opened
+        share is ordered behind (``open_shared(framework=...)``)."""
+        raise NotImplementedError(f"{self.title} cannot open shares here")
+
+    def wrap_capsule(self, capsule: Any, ordinal: int) -> Any:
+        """The library's array over a DLPack capsule of CUDA device memory
+        it does not own, holding the capsule's owner until it frees it."""
+        raise NotImplementedError(f"{self.title} cannot open shares here")
+
 
 def mismatch(i, got_dtype, got_shape, want_dtype, want_shape):
     return ForeignError(

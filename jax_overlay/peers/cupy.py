@@ -38,6 +38,29 @@ class CuPy(Peer):
     def adapter(self):
         return Foreign(self)
 
+    def current_stream(self, ordinal):
+        import cupy
+        with cupy.cuda.Device(ordinal):
+            return cupy.cuda.get_current_stream().ptr
+
+    def wrap_capsule(self, capsule, ordinal):
+        import cupy
+        return cupy.from_dlpack(_Capsule(capsule, ordinal))
+
+
+class _Capsule:
+    """A DLPack producer of one capsule, for cupy.from_dlpack (which takes
+    producers, not capsules): the capsule's memory is already ordered."""
+
+    def __init__(self, capsule, ordinal):
+        self.capsule, self.ordinal = capsule, ordinal
+
+    def __dlpack__(self, stream=None, **kwargs):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (2, self.ordinal)  # kDLCUDA
+
 
 class Foreign(GpuAdapter):
     """foreign(framework="cupy"): views as ``cupy.ndarray`` over

@@ -95,6 +95,14 @@ class Torch(Peer):
     def adapter(self):
         return Foreign(self)
 
+    def current_stream(self, ordinal):
+        import torch
+        return torch.cuda.current_stream(ordinal).cuda_stream
+
+    def wrap_capsule(self, capsule, ordinal):
+        import torch.utils.dlpack
+        return torch.utils.dlpack.from_dlpack(capsule)
+
     @staticmethod
     def autograd(fn):
         return autograd_vjp(fn)

@@ -1,0 +1,646 @@
+"""Room: beyond one process.  ``share`` turns a pytree of GPU ``jax.Array``s
+into a small picklable :class:`Share`; ``open_shared`` in another process of
+the same machine and user gives the same pytree back, zero-copy, as JAX
+arrays or as PyTorch/CuPy tensors.
+
+Mechanism (xla_ext/ipc.cc): XLA allocates its buffers with the driver's
+virtual memory management (cuMemCreate), which legacy CUDA IPC cannot share
+but which exports as a POSIX file descriptor.  A share names each underlying
+allocation once, with every array's offset in it; the exporting process
+runs one server thread on an abstract Unix socket whose name holds a
+128-bit random token, and hands the descriptors over it (SCM_RIGHTS) to
+processes of the same user.  A receiver maps each allocation once per
+process while any of its opened arrays lives.
+
+Ordering: the share waits on its own stream for every array's pending
+computation and records an interprocess event there; a receiver's JAX
+compute stream (or its framework's current stream) waits on that event on
+the GPU.  No host waits on either side.
+
+Lifetime: the exporter holds every shared array (through a PJRT external
+reference, which also refuses donation) while the share is unreleased or
+any receiver holds it.  A receiver holds it through its open connection,
+which the kernel closes when the receiver exits or crashes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import selectors
+import socket
+import struct
+import sys
+import threading
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _runtime as rt
+from . import _view
+from . import _xla_ext as ext
+from ._dlpack import dtype_code
+from ._view import KDLCUDA
+
+# Bumped when a Share's fields or the socket protocol change: a receiver
+# refuses another version by name instead of misreading it.
+SHARE_VERSION = 1
+_HANDLE_POSIX_FD = 1  # CUmemAllocationHandleType bit
+_ALIGN = 256          # each array's offset in a copy=True allocation
+_FDS_PER_MESSAGE = 200  # under the kernel's SCM_MAX_FD (253)
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+_BOOT_ID = _boot_id()
+
+
+class Share:
+    """A share of a pytree of GPU arrays: small, picklable, and a
+    capability (any process of the same user on this machine that holds it
+    can map the memory it names; never send it over a network).
+
+    In the exporting process the object also ends the share: ``release()``
+    (or its garbage collection, or leaving ``with share(...) as h:``) stops
+    new opens, and the arrays are let go once every receiver has let go.
+
+    ``nbytes``: the arrays' bytes.  ``exposed_bytes``: the bytes of the
+    allocations a receiver maps, every JAX buffer in them included.  With
+    XLA's preallocated pool that is the whole pool; ``share(tree,
+    copy=True)`` exposes one dedicated allocation instead."""
+
+    __slots__ = ("version", "address", "share_id", "pid", "boot_id", "host", "uuid",
+                 "event", "treedef", "leaves", "allocations", "nbytes", "exposed_bytes",
+                 "copied", "_local", "__weakref__")
+
+    def __init__(self, **fields):
+        self._local = False
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+    def __reduce__(self):
+        state = {k: getattr(self, k) for k in self.__slots__[:-2]}
+        return (_rebuild_share, (state,))
+
+    def __repr__(self):
+        return (f"jax_overlay.Share({len(self.leaves)} arrays, {self.nbytes} bytes in "
+                f"{len(self.allocations)} allocations of {self.exposed_bytes} bytes, "
+                f"process {self.pid}, share {self.share_id}"
+                f"{', copied' if self.copied else ''})")
+
+    def release(self) -> None:
+        """Ends the share in the exporting process: no new opens; the
+        arrays are let go once every receiver has.  A no-op in receivers
+        and when called again."""
+        if self._local:
+            self._local = False
+            _EXPORTER.release(self.share_id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _rebuild_share(state):
+    s = Share(**state)
+    if s.version != SHARE_VERSION:
+        raise BufferError(
+            f"this share has format version {s.version}, but this jax_overlay reads "
+            f"version {SHARE_VERSION}: use the same jax_overlay in both processes")
+    return s
+
+
+class _Entry:
+    """The exporter's record of one share."""
+
+    def __init__(self, tree, keep, ordinal, fds, event, dedicated, holds):
+        self.tree = tree            # the original pytree (same-process opens)
+        self.keep = keep            # jaxlib capsules: PJRT external references
+        self.ordinal = ordinal
+        self.fds = fds              # one descriptor per allocation
+        self.event = event
+        self.dedicated = dedicated  # (va, size) of a copy=True allocation
+        self.holds = holds          # the Share object or a pending first open, and receivers
+        self.released = False
+        self.once = False           # a one-shot share: its first open takes its hold
+
+
+class _Exporter:
+    """This process's share server: one thread, one abstract Unix socket."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.entries: dict[int, _Entry] = {}
+        self.next_id = 1
+        self.pid = None
+        self.address = None
+        self.streams: dict[int, int] = {}
+
+    def start(self):
+        with self.lock:
+            if self.pid == os.getpid():
+                return
+            # A fork's child inherits no thread: it serves its own shares.
+            self.entries, self.next_id, self.streams = {}, 1, {}
+            name = f"\0jax_overlay/{os.getpid()}/{secrets.token_hex(16)}"
+            srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            srv.bind(name)
+            srv.listen(64)
+            self.address, self.pid = name, os.getpid()
+            threading.Thread(target=self._serve, args=(srv,), name="jax_overlay-share-server",
+                             daemon=True).start()
+
+    def stream(self, ordinal):
+        s = self.streams.get(ordinal)
+        if s is None:
+            s = self.streams[ordinal] = ext.new_stream(ordinal)
+        return s
+
+    def add(self, entry) -> int:
+        with self.lock:
+            sid = self.next_id
+            self.next_id += 1
+            self.entries[sid] = entry
+        return sid
+
+    def release(self, sid):
+        with self.lock:
+            e = self.entries.get(sid)
+            if e is None or e.released:
+                return
+            e.released = True
+            e.holds -= 1
+            dead = e.holds == 0
+            if dead:
+                del self.entries[sid]
+        if dead:
+            _free(e)
+
+    def _drop(self, sid):
+        with self.lock:
+            e = self.entries.get(sid)
+            if e is None:
+                return
+            e.holds -= 1
+            dead = e.holds == 0
+            if dead:
+                del self.entries[sid]
+        if dead:
+            _free(e)
+
+    def live(self) -> int:
+        with self.lock:
+            return len(self.entries)
+
+    # The server thread.  A connection is one receiver's open of one share:
+    # its first message asks for the share and the descriptors it lacks,
+    # and the connection then stays open for as long as the receiver holds
+    # the share.  Its end (the receiver let go, exited or crashed: the
+    # kernel closes it in every case) drops that hold.
+    def _serve(self, srv):
+        sel = selectors.DefaultSelector()
+        sel.register(srv, selectors.EVENT_READ, None)
+        while True:
+            for key, _ in sel.select():
+                if key.data is None:
+                    try:
+                        conn, _ = srv.accept()
+                    except OSError:
+                        continue
+                    sel.register(conn, selectors.EVENT_READ, [0])
+                    continue
+                conn, held = key.fileobj, key.data
+                try:
+                    msg = conn.recv(65536)
+                except OSError:
+                    msg = b""
+                if msg and not held[0]:
+                    held[0] = self._answer(conn, msg)
+                    if held[0]:
+                        continue
+                    msg = b""
+                if not msg:  # the receiver let go
+                    sel.unregister(conn)
+                    conn.close()
+                    if held[0]:
+                        self._drop(held[0])
+
+    def _answer(self, conn, msg) -> int:
+        """Serves one open; the share's id when the receiver now holds it."""
+        try:
+            _, uid, _ = struct.unpack("3i", conn.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            req = json.loads(msg)
+            sid, need = int(req["open"]), [int(i) for i in req["need"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+        with self.lock:
+            e = self.entries.get(sid)
+            why = None
+            if uid != os.getuid():
+                why = (f"the receiving process runs as user {uid} and the exporter as user "
+                       f"{os.getuid()}: shares open only between processes of one user")
+            elif e is None or e.released:
+                why = (f"share {sid} of process {os.getpid()} was released: make a new share "
+                       "in the exporting process")
+            elif any(i < 0 or i >= len(e.fds) for i in need):
+                why = f"share {sid} has {len(e.fds)} allocations; asked for {need}"
+            else:
+                e.holds += 1
+                if e.once:  # a one-shot share's pending hold passes to its receiver
+                    e.once = False
+                    e.holds -= 1
+        try:
+            if why is not None:
+                conn.send(json.dumps({"error": why}).encode())
+                return 0
+            fds = [e.fds[i] for i in need]
+            for k in range(0, max(len(fds), 1), _FDS_PER_MESSAGE):
+                chunk = fds[k:k + _FDS_PER_MESSAGE]
+                more = k + _FDS_PER_MESSAGE < len(fds)
+                socket.send_fds(conn, [json.dumps({"ok": True, "more": more}).encode()], chunk)
+            return sid
+        except OSError:  # the receiver went away mid-answer
+            if why is None:
+                self._drop(sid)
+            return 0
+
+
+def _free(e: _Entry) -> None:
+    """Lets a share's arrays go (every receiver has)."""
+    for fd in e.fds:
+        os.close(fd)
+    try:
+        if e.dedicated is not None:
+            # The copies into it must be done before it is unmapped.
+            while not ext.event_done(e.ordinal, e.event):
+                threading.Event().wait(0.0005)
+            ext.unmap(e.ordinal, *e.dedicated, False)
+        ext.destroy_event(e.ordinal, e.event)
+    except BufferError:
+        pass  # the driver is shutting down with the process
+    e.keep = e.tree = None
+
+
+_EXPORTER = _Exporter()
+
+
+def _leaf_error(path, x):
+    where = jax.tree_util.keystr(path) or "the tree"
+    if not isinstance(x, jax.Array):
+        return TypeError(
+            f"share takes a pytree of jax.Arrays; {where} is a "
+            f"{type(x).__module__}.{type(x).__qualname__}: jnp.asarray it first, or "
+            "leave it out of the tree")
+    try:
+        rt.check_live(x)
+    except BufferError as e:
+        return BufferError(f"{where}: {e}")
+    if len(x.sharding.device_set) != 1:
+        return BufferError(
+            f"{where} is sharded over {len(x.sharding.device_set)} devices; share takes "
+            "single-device arrays: share [s.data for s in x.addressable_shards] instead")
+    dev = next(iter(x.sharding.device_set))
+    if dev.platform != "gpu":
+        return BufferError(
+            f"{where} is on {dev} (host memory): share maps GPU memory between processes; "
+            "send host arrays by pickling them (multiprocessing copies them), or put them "
+            "on the GPU first with jax.device_put")
+    kind = getattr(x.sharding, "memory_kind", None)
+    if kind not in (None, "device"):
+        return BufferError(
+            f"{where} is in JAX's {kind!r} memory (pinned host memory, which CUDA's "
+            "virtual memory sharing does not cover): move it to the device first with "
+            "jax.device_put(x, x.sharding.with_memory_kind('device')), or pickle it")
+    return None
+
+
+def share(tree: Any, *, copy: bool = False) -> Share:
+    """A :class:`Share` of a pytree of single-device GPU ``jax.Array``s, for
+    :func:`open_shared` in another process on the same machine and GPU.
+
+    Zero-copy by default: each XLA allocation holding a leaf is named once,
+    with every leaf's offset in it; ``Share.exposed_bytes`` says how much
+    memory a receiver can then map (with XLA's preallocated pool, the whole
+    pool, every JAX buffer in it included).  ``copy=True`` instead copies
+    the leaves, on the GPU, into one dedicated allocation that is all a
+    receiver sees (also the way to share from XLA's ``cuda_async``
+    allocator, whose pool cannot be exported).
+
+    Never waits on the host: receivers are ordered after the leaves'
+    pending computations on the GPU.  The exporter holds the leaves (they
+    cannot be donated) until the share is released and every receiver has
+    let go."""
+    return _share(tree, copy=copy, once=False)
+
+
+def _share(tree, *, copy, once):
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    ordinal = None
+    for path, x in leaves_with_path:  # wrong types first, wherever they are
+        if not isinstance(x, jax.Array):
+            raise _leaf_error(path, x)  # type: ignore[misc]
+    for path, x in leaves_with_path:
+        err = _leaf_error(path, x)
+        if err is not None:
+            raise err
+    leaves = [x for _, x in leaves_with_path]
+    ptrs = []
+    for (path, x) in leaves_with_path:
+        ptr = x.unsafe_buffer_pointer() if x.size else 0
+        if ptr:
+            info = ext.pointer_info(ptr)
+            if info.kind != "device":
+                raise BufferError(
+                    f"{jax.tree_util.keystr(path)}: its memory is {info.kind}, not GPU "
+                    "device memory: jax.device_put it onto a GPU first")
+            if ordinal is None:
+                ordinal = info.ordinal
+            elif info.ordinal != ordinal:
+                raise BufferError(
+                    f"{jax.tree_util.keystr(path)} is on CUDA device {info.ordinal}, others "
+                    f"on device {ordinal}: one share holds the arrays of one GPU; make one "
+                    "share per GPU")
+        if x.size and rt.byte_strides(x, x.dtype.itemsize) is not None:
+            raise BufferError(
+                f"{jax.tree_util.keystr(path)} has a non-row-major layout: share row-major "
+                "arrays (jnp.copy it with the default layout first)")
+        ptrs.append(ptr)
+    if ordinal is None:  # nothing with memory: any visible GPU names the share
+        ordinal = 0
+    _EXPORTER.start()
+    stream = _EXPORTER.stream(ordinal)
+    # The share's stream waits on the GPU for every leaf's definition; each
+    # capsule is a PJRT external reference that keeps the buffer alive and
+    # refuses its donation until the share's entry is freed.
+    keep = [rt.order_stream_after(x, stream) for x, p in zip(leaves, ptrs) if p]
+    nbytes = sum(x.nbytes for x in leaves)
+    dedicated = None
+    if copy:
+        offsets, total = [], 0
+        for x, p in zip(leaves, ptrs):
+            offsets.append(total if p else -1)
+            total += -(-x.nbytes // _ALIGN) * _ALIGN if p else 0
+        va, size = ext.alloc_exportable(ordinal, max(total, 1))
+        dedicated = (va, size)
+        for x, p, off in zip(leaves, ptrs, offsets):
+            if p:
+                ext.copy_async(ordinal, va + off, p, x.nbytes, stream)
+        allocs = [(ext.allocation_of(ordinal, va)[2], size)]
+        bases = [va]
+        spots = [(0, off) if off >= 0 else (-1, 0) for off in offsets]
+    else:
+        by_block: dict[Any, int] = {}
+        allocs, bases, spots = [], [], []
+        for (path, x), p in zip(leaves_with_path, ptrs):
+            if not p:
+                spots.append((-1, 0))
+                continue
+            base, size, block, types, _ = ext.allocation_of(ordinal, p)
+            if not types & _HANDLE_POSIX_FD:
+                raise BufferError(
+                    f"{jax.tree_util.keystr(path)}: XLA's allocator gave this buffer memory "
+                    "that cannot be exported as a file descriptor (XLA's cuda_async "
+                    "allocator's pool cannot be); share(tree, copy=True) copies the tree "
+                    "into one exportable allocation, or run with another "
+                    "XLA_PYTHON_CLIENT_ALLOCATOR")
+            if p + x.nbytes > base + size:
+                raise BufferError(
+                    f"{jax.tree_util.keystr(path)} spans two of XLA's allocations; "
+                    "share(tree, copy=True) copies it into one")
+            key = block or base
+            i = by_block.get(key)
+            if i is None:
+                i = by_block[key] = len(allocs)
+                allocs.append((block, size))
+                bases.append(base)
+            spots.append((i, p - bases[i]))
+    fds: list[int] = []
+    try:
+        for b in bases:
+            fds.append(ext.export_fd(ordinal, b))
+        event, event_handle = ext.record_ipc_event(ordinal, stream)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        if dedicated is not None:
+            ext.unmap(ordinal, *dedicated, True)
+        raise
+    entry = _Entry(tree, keep, ordinal, fds, event, dedicated, holds=1)
+    entry.once = once
+    sid = _EXPORTER.add(entry)
+    h = Share(version=SHARE_VERSION, address=_EXPORTER.address, share_id=sid,
+              pid=os.getpid(), boot_id=_BOOT_ID, host=socket.gethostname(),
+              uuid=ext.device_uuid(ordinal), event=event_handle, treedef=treedef,
+              leaves=[(i, off, tuple(x.shape), x.dtype.name) for (i, off), x in zip(spots, leaves)],
+              allocations=allocs, nbytes=nbytes,
+              exposed_bytes=sum(size for _, size in allocs), copied=bool(copy))
+    h._local = not once  # a one-shot share ends with its first receiver
+    return h
+
+
+# The receiver's side.  One mapping per exporter allocation per process,
+# shared by every open share that names it and unmapped when the last of
+# them is let go.
+class _Mapping:
+    __slots__ = ("ordinal", "va", "size", "sync", "__weakref__")
+
+    def __init__(self, ordinal, va, size):
+        self.ordinal, self.va, self.size, self.sync = ordinal, va, size, False
+
+    def __del__(self):
+        try:
+            # PJRT frees a JAX view only after its last use on the GPU; a
+            # framework's storage deleter runs when its tensor dies, work
+            # possibly pending: then the device is synchronized first.
+            ext.unmap(self.ordinal, self.va, self.size, self.sync)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+_mappings: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_mappings_lock = threading.Lock()
+
+
+class _Opened:
+    """A receiver's hold on one share: the connection (the exporter's lease)
+    and the mappings.  Every opened array holds it; the last one's death
+    closes the connection."""
+
+    __slots__ = ("conn", "mappings", "__weakref__")
+
+    def __init__(self, conn, mappings):
+        self.conn, self.mappings = conn, mappings
+
+    def __del__(self):
+        try:
+            self.conn.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _ordinal_of(uuid: bytes) -> int:
+    for i in range(ext.device_count()):
+        if ext.device_uuid(i) == uuid:
+            return i
+    raise BufferError(
+        f"this share's GPU (UUID {uuid.hex()}) is not visible to this process, which sees "
+        f"{ext.device_count()} GPU(s): open it in a process that sees that GPU "
+        "(check CUDA_VISIBLE_DEVICES)")
+
+
+_FRAMEWORKS = ("jax", "torch", "cupy")
+
+
+def open_shared(share: Share, *, framework: str = "jax") -> Any:
+    """The pytree of a :class:`Share`, zero-copy on the same GPU:
+    ``jax.Array``s (``framework="jax"``), or PyTorch tensors
+    (``"torch"``) or CuPy arrays (``"cupy"``) for a process with no use
+    for JAX.  Ordered after the exporter's pending writes on the GPU: JAX
+    arrays through JAX's compute stream, tensors through the framework's
+    current stream.  The exporter's memory stays held while any opened
+    array lives.  In the exporting process itself: the original arrays."""
+    if not isinstance(share, Share):
+        raise TypeError(f"open_shared takes a jax_overlay.Share (from jax_overlay.share), "
+                        f"not {type(share).__module__}.{type(share).__qualname__}")
+    if framework not in _FRAMEWORKS:
+        raise ValueError(f"framework={framework!r}: pass one of {', '.join(map(repr, _FRAMEWORKS))}")
+    if share.boot_id != _BOOT_ID or (not share.boot_id and share.host != socket.gethostname()):
+        raise BufferError(
+            f"this share was made on another machine ({share.host}, boot {share.boot_id}); "
+            "GPU memory is shared between processes of one machine only: send the arrays' "
+            "values instead (jax.device_get, then pickle)")
+    if share.pid == os.getpid() and share.address == _EXPORTER.address:
+        return _same_process(share, framework)
+    ordinal = _ordinal_of(share.uuid)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(share.address)
+    except OSError as e:
+        conn.close()
+        raise BufferError(
+            f"the exporting process (pid {share.pid}) no longer serves its shares ({e}): it "
+            "has exited. Arrays opened from it before stay valid (their mappings hold the "
+            "memory); make a new share in a live process") from None
+    mappings: list[Any] = [None] * len(share.allocations)
+    try:
+        with _mappings_lock:
+            need = []
+            for i, (block, size) in enumerate(share.allocations):
+                m = _mappings.get((share.address, block, size)) if block else None
+                if m is None:
+                    need.append(i)
+                else:
+                    mappings[i] = m
+            conn.send(json.dumps({"open": share.share_id, "need": need}).encode())
+            fds: list[int] = []
+            while True:
+                msg, got, _, _ = socket.recv_fds(conn, 65536, _FDS_PER_MESSAGE)
+                fds.extend(got)
+                reply = json.loads(msg) if msg else {"error": "the exporter closed the connection"}
+                if "error" in reply or not reply.get("more"):
+                    break
+            if "error" in reply:
+                for fd in fds:
+                    os.close(fd)
+                raise BufferError(reply["error"])
+            try:
+                for i, fd in zip(need, fds):
+                    block, size = share.allocations[i]
+                    m = _Mapping(ordinal, ext.map_fd(ordinal, fd, size), size)
+                    mappings[i] = m
+                    if block:
+                        _mappings[(share.address, block, size)] = m
+            finally:
+                for fd in fds:
+                    os.close(fd)
+    except BaseException:
+        conn.close()
+        raise
+    opened = _Opened(conn, mappings)
+    if framework == "jax":
+        return _open_jax(share, opened, ordinal)
+    return _open_peer(share, opened, ordinal, framework)
+
+
+def _dtype(name):
+    return np.dtype(jax.numpy.dtype(name))
+
+
+def _open_jax(share, opened, ordinal):
+    device = rt.gpu_device(ordinal)
+    # JAX's compute stream waits on the GPU for the exporter's event; each
+    # import's definition event is then recorded behind that wait.
+    ext.wait_ipc_event(ordinal, share.event, rt.compute_stream(device))
+    out = []
+    for i, off, shape, name in share.leaves:
+        dtype = _dtype(name)
+        if i < 0:
+            out.append(_view.empty(shape, dtype, device))
+            continue
+        # The capsule holds `opened` until JAX frees the array.
+        cap = ext.raw_capsule(opened, opened.mappings[i].va + off, shape, None,
+                              dtype_code(dtype), KDLCUDA, ordinal)
+        out.append(_view.import_view(cap, device, False, KDLCUDA))
+    return jax.tree_util.tree_unflatten(share.treedef, out)
+
+
+def _open_peer(share, opened, ordinal, framework):
+    from . import peers
+    peer = peers.REGISTRY[framework]
+    for m in opened.mappings:
+        m.sync = True  # the framework frees without waiting for its streams
+    ext.wait_ipc_event(ordinal, share.event, peer.current_stream(ordinal))
+    out = []
+    for i, off, shape, name in share.leaves:
+        dtype = _dtype(name)
+        ptr = opened.mappings[i].va + off if i >= 0 else 0
+        cap = ext.raw_capsule(opened, ptr, shape, None, dtype_code(dtype), KDLCUDA, ordinal)
+        out.append(peer.wrap_capsule(cap, ordinal))
+    return jax.tree_util.tree_unflatten(share.treedef, out)
+
+
+def _same_process(share, framework):
+    with _EXPORTER.lock:
+        e = _EXPORTER.entries.get(share.share_id)
+        tree = None if e is None or e.released and not e.once else e.tree
+    if tree is None:
+        raise BufferError(f"share {share.share_id} of this process was released: make a new "
+                          "share")
+    if e.once:  # a one-shot share opened here: its hold ends now
+        e.once = False
+        _EXPORTER._drop(share.share_id)
+    if framework == "jax":
+        return tree
+    from . import peers
+    peer = peers.REGISTRY[framework]
+    return jax.tree_util.tree_map(
+        lambda x: peer.wrap_capsule(x.__dlpack__(), x.unsafe_buffer_pointer() and
+                                    ext.pointer_info(x.unsafe_buffer_pointer()).ordinal), tree)
+
+
+def live_shares() -> int:
+    """How many shares this process still holds for itself or receivers."""
+    return _EXPORTER.live()
+
+
+if sys.platform != "linux":  # pragma: no cover - abstract sockets are Linux's
+    def share(tree: Any, *, copy: bool = False) -> Share:  # type: ignore[no-redef]  # noqa: F811
+        raise BufferError("jax_overlay.share needs Linux (CUDA's POSIX descriptor handles)")

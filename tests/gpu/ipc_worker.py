@@ -1,0 +1,119 @@
+"""The other processes of tests/gpu/test_ipc_gpu.py (started with the spawn
+context, so nothing here imports JAX before a role sets its environment).
+
+Each role serves requests on a multiprocessing connection until None:
+(op, *args) -> ("ok", result) or ("error", class name, message)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+
+
+def free_memory(ordinal=0):
+    """The device's free bytes (cuMemGetInfo in its primary context)."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    cu.cuInit(0)
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    cu.cuDeviceGet(ctypes.byref(dev), ordinal)
+    cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    cu.cuCtxPushCurrent_v2(ctx)
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+    cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    return free.value
+
+
+def _host(leaf):
+    import numpy as np
+    if type(leaf).__module__.startswith("torch"):
+        t = leaf.detach()
+        return t.float().cpu().numpy() if t.dtype.is_floating_point else t.cpu().numpy()
+    if type(leaf).__module__.startswith("cupy"):
+        return leaf.get()
+    # A JAX array read straight to the host (XLA's device-to-host stream,
+    # not a computation): the read an import must order, too.
+    a = np.asarray(leaf)
+    return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+
+
+def _describe(leaf):
+    dev = getattr(leaf, "device", None)
+    return (type(leaf).__module__.split(".")[0], str(leaf.dtype), tuple(leaf.shape), str(dev))
+
+
+def serve(conn, env=None, framework="jax", queue=None):
+    os.environ.update(env or {})
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    import jax_overlay
+    held = []
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        op, *args = msg
+        try:
+            if op == "open":  # open, read every leaf on the host, let go
+                tree = jax_overlay.open_shared(args[0], framework=framework)
+                leaves = jax.tree_util.tree_leaves(tree)
+                out = ([_host(x) for x in leaves], [_describe(x) for x in leaves])
+                del tree, leaves
+            elif op == "check_k":  # open an in-flight share; all values == k?
+                (x,) = jax.tree_util.tree_leaves(jax_overlay.open_shared(args[0], framework=framework))
+                h = _host(x)
+                out = bool(h.min() == h.max() == args[1])
+                del x
+            elif op == "hold":
+                held.append(jax_overlay.open_shared(args[0], framework=framework))
+                out = len(held)
+            elif op == "read_held":
+                out = [_host(x) for x in jax.tree_util.tree_leaves(held)]
+            elif op == "drop":
+                held.clear()
+                gc.collect()
+                out = True
+            elif op == "crash":
+                held.append(jax_overlay.open_shared(args[0], framework=framework))
+                conn.send(("ok", "holding"))
+                os._exit(3)
+            elif op == "share":  # exporter roles: share a new array of `value`
+                n, value, kw = args
+                x = jax.numpy.full((n,), value, jax.numpy.float32)
+                held.append(x)
+                try:
+                    out = jax_overlay.share(x, **kw)
+                    held.append(out)  # the exporter's Share: its death would end the share
+                except BufferError as e:
+                    out = ("BufferError", str(e))
+                    held.pop()
+            elif op == "forget":  # drop the arrays and release every share of them
+                held.clear()
+                out = None
+                gc.collect()
+                out = jax_overlay._ipc.live_shares()
+            elif op == "live":
+                out = jax_overlay._ipc.live_shares()
+            elif op == "free":
+                out = free_memory()
+            elif op == "queue_get":  # a jax_overlay.multiprocessing queue
+                x = queue.get(timeout=60)
+                out = (_host(x), _describe(x))
+                del x
+            elif op == "torch_queue_get":  # a torch.multiprocessing queue, into JAX
+                t = queue.get(timeout=60)
+                x = jax_overlay.from_dlpack(t)
+                same = x.unsafe_buffer_pointer() == t.data_ptr()
+                del t
+                gc.collect()
+                conn.send(("ok", same))
+                conn.recv()  # the sender has dropped its tensor by now
+                out = _host(x)
+                del x
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            conn.send(("ok", out))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            conn.send(("error", type(e).__name__, str(e)))

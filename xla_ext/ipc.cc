@@ -1,0 +1,412 @@
+#include "ipc.h"
+
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+
+#include "cuda_driver.h"
+
+namespace jxo::ipc {
+namespace {
+
+// The driver types these calls need, declared from the driver API's
+// documented ABI.
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;
+using CUstream = void*;
+using CUevent = void*;
+using Handle = unsigned long long;  // CUmemGenericAllocationHandle
+
+struct Location {  // CUmemLocation
+  int type;
+  int id;
+};
+struct AllocationProp {  // CUmemAllocationProp
+  int type;
+  int requested_handle_types;
+  Location location;
+  void* win32_metadata;
+  unsigned char alloc_flags[8];
+};
+struct AccessDesc {  // CUmemAccessDesc
+  Location location;
+  int flags;
+};
+struct EventHandle {  // CUipcEventHandle
+  char reserved[kEventHandleBytes];
+};
+struct Uuid {  // CUuuid
+  char bytes[kUuidBytes];
+};
+
+constexpr CUresult kSuccess = 0;
+constexpr CUresult kNotReady = 600;
+constexpr int kLocationDevice = 1;
+constexpr int kAllocationPinned = 1;
+constexpr int kHandlePosixFd = 1;
+constexpr int kAccessReadWrite = 3;
+constexpr int kGranularityMinimum = 0;
+constexpr unsigned kStreamNonBlocking = 1;
+constexpr unsigned kEventDisableTiming = 2, kEventInterprocess = 4;
+enum : int {
+  kAttrLegacyIpc = 10,
+  kAttrRangeStart = 11,
+  kAttrRangeSize = 12,
+  kAttrHandleTypes = 14,
+  kAttrMappingSize = 18,
+  kAttrMappingBase = 19,
+  kAttrBlockId = 20,
+};
+
+struct Table {
+  CUresult (*PointerGetAttribute)(void*, int, CUdeviceptr);
+  CUresult (*RetainAllocationHandle)(Handle*, void*);
+  CUresult (*ExportToShareableHandle)(void*, Handle, int, unsigned long long);
+  CUresult (*ImportFromShareableHandle)(Handle*, void*, int);
+  CUresult (*Release)(Handle);
+  CUresult (*Create)(Handle*, size_t, const AllocationProp*,
+                     unsigned long long);
+  CUresult (*GetGranularity)(size_t*, const AllocationProp*, int);
+  CUresult (*AddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
+                             unsigned long long);
+  CUresult (*AddressFree)(CUdeviceptr, size_t);
+  CUresult (*Map)(CUdeviceptr, size_t, size_t, Handle, unsigned long long);
+  CUresult (*Unmap)(CUdeviceptr, size_t);
+  CUresult (*SetAccess)(CUdeviceptr, size_t, const AccessDesc*, size_t);
+  CUresult (*DeviceGet)(CUdevice*, int);
+  CUresult (*DeviceGetUuid)(Uuid*, CUdevice);
+  CUresult (*StreamCreate)(CUstream*, unsigned);
+  CUresult (*EventCreate)(CUevent*, unsigned);
+  CUresult (*EventRecord)(CUevent, CUstream);
+  CUresult (*EventQuery)(CUevent);
+  CUresult (*EventDestroy)(CUevent);
+  CUresult (*IpcGetEventHandle)(EventHandle*, CUevent);
+  CUresult (*IpcOpenEventHandle)(CUevent*, EventHandle);
+  CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
+  CUresult (*MemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+  CUresult (*CtxSynchronize)();
+  CUresult (*GetErrorName)(CUresult, const char**);
+};
+
+Table g_cu;
+std::once_flag g_once;
+bool g_ok = false;
+std::string g_why;
+
+template <typename F>
+bool Sym(void* lib, const char* name, F* out) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  return *out != nullptr;
+}
+
+void LoadOnce() {
+  // cuda::Load has opened the library: this only looks the symbols up.
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  g_ok = lib &&
+         Sym(lib, "cuPointerGetAttribute", &g_cu.PointerGetAttribute) &&
+         Sym(lib, "cuMemRetainAllocationHandle", &g_cu.RetainAllocationHandle) &&
+         Sym(lib, "cuMemExportToShareableHandle", &g_cu.ExportToShareableHandle) &&
+         Sym(lib, "cuMemImportFromShareableHandle", &g_cu.ImportFromShareableHandle) &&
+         Sym(lib, "cuMemRelease", &g_cu.Release) &&
+         Sym(lib, "cuMemCreate", &g_cu.Create) &&
+         Sym(lib, "cuMemGetAllocationGranularity", &g_cu.GetGranularity) &&
+         Sym(lib, "cuMemAddressReserve", &g_cu.AddressReserve) &&
+         Sym(lib, "cuMemAddressFree", &g_cu.AddressFree) &&
+         Sym(lib, "cuMemMap", &g_cu.Map) &&
+         Sym(lib, "cuMemUnmap", &g_cu.Unmap) &&
+         Sym(lib, "cuMemSetAccess", &g_cu.SetAccess) &&
+         Sym(lib, "cuDeviceGet", &g_cu.DeviceGet) &&
+         Sym(lib, "cuDeviceGetUuid", &g_cu.DeviceGetUuid) &&
+         Sym(lib, "cuStreamCreate", &g_cu.StreamCreate) &&
+         Sym(lib, "cuEventCreate", &g_cu.EventCreate) &&
+         Sym(lib, "cuEventRecord", &g_cu.EventRecord) &&
+         Sym(lib, "cuEventQuery", &g_cu.EventQuery) &&
+         Sym(lib, "cuEventDestroy_v2", &g_cu.EventDestroy) &&
+         Sym(lib, "cuIpcGetEventHandle", &g_cu.IpcGetEventHandle) &&
+         Sym(lib, "cuIpcOpenEventHandle", &g_cu.IpcOpenEventHandle) &&
+         Sym(lib, "cuStreamWaitEvent", &g_cu.StreamWaitEvent) &&
+         Sym(lib, "cuMemcpyDtoDAsync_v2", &g_cu.MemcpyDtoDAsync) &&
+         Sym(lib, "cuCtxSynchronize", &g_cu.CtxSynchronize) &&
+         Sym(lib, "cuGetErrorName", &g_cu.GetErrorName);
+  if (!g_ok) {
+    g_why = "the NVIDIA driver lacks the virtual memory management or IPC "
+            "entry points that sharing GPU memory between processes needs "
+            "(CUDA 11.7 or newer)";
+  }
+}
+
+// The driver, its IPC entry points, and the device's primary context
+// current for the scope.
+bool Enter(int ordinal, cuda::DeviceScope* scope, Error* err) {
+  if (!cuda::Load(err)) return false;
+  std::call_once(g_once, LoadOnce);
+  if (!g_ok) return Fail(err, ErrorKind::kBuffer, g_why);
+  return scope->Enter(ordinal, err);
+}
+
+bool DriverFail(Error* err, const std::string& what, CUresult r) {
+  const char* name = nullptr;
+  if (g_cu.GetErrorName) g_cu.GetErrorName(r, &name);
+  return Fail(err, ErrorKind::kBuffer,
+              what + " failed: " + (name ? name : "CUDA error") + " (" +
+                  std::to_string(r) + ")");
+}
+
+std::string Hex(uintptr_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+template <typename T>
+bool Attr(uintptr_t ptr, int attr, T* out) {
+  return g_cu.PointerGetAttribute(out, attr, CUdeviceptr(ptr)) == kSuccess;
+}
+
+AllocationProp DeviceProp(int ordinal) {
+  AllocationProp p{};
+  p.type = kAllocationPinned;
+  p.requested_handle_types = kHandlePosixFd;
+  p.location = {kLocationDevice, ordinal};
+  return p;
+}
+
+}  // namespace
+
+bool AllocationOf(int ordinal, uintptr_t ptr, Allocation* out, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  int legacy = 0;
+  unsigned long long types = 0, block = 0;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  Attr(ptr, kAttrLegacyIpc, &legacy);
+  Attr(ptr, kAttrHandleTypes, &types);
+  Attr(ptr, kAttrBlockId, &block);
+  // A virtual-memory mapping is one physical allocation mapped at offset 0;
+  // for other memory the driver's allocation range says the same.
+  if (!Attr(ptr, kAttrMappingBase, &base) || !Attr(ptr, kAttrMappingSize, &size)) {
+    CUresult r = g_cu.PointerGetAttribute(&base, kAttrRangeStart, ptr);
+    if (r != kSuccess) {
+      return DriverFail(err, "cuPointerGetAttribute(" + Hex(ptr) + ")", r);
+    }
+    Attr(ptr, kAttrRangeSize, &size);
+  }
+  out->base = uintptr_t(base);
+  out->size = size;
+  out->block_id = block;
+  out->handle_types = types;
+  out->legacy_ipc = legacy != 0;
+  return true;
+}
+
+bool ExportFd(int ordinal, uintptr_t ptr, int* fd, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  Handle h = 0;
+  CUresult r = g_cu.RetainAllocationHandle(&h, reinterpret_cast<void*>(ptr));
+  if (r != kSuccess) {
+    return Fail(err, ErrorKind::kBuffer,
+                "the GPU memory at " + Hex(ptr) +
+                    " has no shareable allocation handle "
+                    "(cuMemRetainAllocationHandle: " +
+                    std::to_string(r) +
+                    "): it was not allocated with cuMemCreate, as XLA's "
+                    "cuda_async allocator's pool and cudaMalloc'ed memory "
+                    "are not");
+  }
+  int out = -1;
+  r = g_cu.ExportToShareableHandle(&out, h, kHandlePosixFd, 0);
+  // The retained reference is ours either way; the descriptor, once made,
+  // holds the allocation by itself.
+  g_cu.Release(h);
+  if (r != kSuccess) {
+    return Fail(err, ErrorKind::kBuffer,
+                "the GPU memory at " + Hex(ptr) +
+                    " cannot be exported as a POSIX file descriptor "
+                    "(cuMemExportToShareableHandle: " +
+                    std::to_string(r) +
+                    "): its allocator did not ask for a shareable handle");
+  }
+  *fd = out;
+  return true;
+}
+
+bool DeviceUuid(int ordinal, std::string* uuid, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  CUdevice dev = 0;
+  CUresult r = g_cu.DeviceGet(&dev, ordinal);
+  if (r != kSuccess) return DriverFail(err, "cuDeviceGet", r);
+  Uuid u{};
+  r = g_cu.DeviceGetUuid(&u, dev);
+  if (r != kSuccess) return DriverFail(err, "cuDeviceGetUuid", r);
+  uuid->assign(u.bytes, kUuidBytes);
+  return true;
+}
+
+namespace {
+
+// Reserves, maps and grants access; on failure undoes what it did.  The
+// handle stays the caller's to release: the mapping holds the memory.
+bool MapHandle(int ordinal, Handle h, size_t size, uintptr_t* va, Error* err) {
+  CUdeviceptr p = 0;
+  CUresult r = g_cu.AddressReserve(&p, size, 0, 0, 0);
+  if (r != kSuccess) return DriverFail(err, "cuMemAddressReserve", r);
+  r = g_cu.Map(p, size, 0, h, 0);
+  if (r != kSuccess) {
+    g_cu.AddressFree(p, size);
+    return DriverFail(err, "cuMemMap", r);
+  }
+  AccessDesc access{{kLocationDevice, ordinal}, kAccessReadWrite};
+  r = g_cu.SetAccess(p, size, &access, 1);
+  if (r != kSuccess) {
+    g_cu.Unmap(p, size);
+    g_cu.AddressFree(p, size);
+    return DriverFail(err, "cuMemSetAccess", r);
+  }
+  *va = uintptr_t(p);
+  return true;
+}
+
+}  // namespace
+
+bool MapFd(int ordinal, int fd, size_t size, uintptr_t* va, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  Handle h = 0;
+  CUresult r = g_cu.ImportFromShareableHandle(
+      &h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)), kHandlePosixFd);
+  if (r != kSuccess) {
+    return DriverFail(err, "cuMemImportFromShareableHandle (the descriptor "
+                           "of another process's GPU allocation)", r);
+  }
+  bool ok = MapHandle(ordinal, h, size, va, err);
+  // Released either way: a live mapping keeps the physical memory, even
+  // after the exporting process has exited.
+  g_cu.Release(h);
+  return ok;
+}
+
+bool Unmap(int ordinal, uintptr_t va, size_t size, bool sync, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  if (sync) {
+    CUresult s = g_cu.CtxSynchronize();
+    if (s != kSuccess) return DriverFail(err, "cuCtxSynchronize", s);
+  }
+  CUresult r = g_cu.Unmap(CUdeviceptr(va), size);
+  if (r != kSuccess) return DriverFail(err, "cuMemUnmap", r);
+  r = g_cu.AddressFree(CUdeviceptr(va), size);
+  if (r != kSuccess) return DriverFail(err, "cuMemAddressFree", r);
+  return true;
+}
+
+bool AllocExportable(int ordinal, size_t bytes, uintptr_t* va, size_t* size,
+                     Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  AllocationProp prop = DeviceProp(ordinal);
+  size_t gran = 0;
+  CUresult r = g_cu.GetGranularity(&gran, &prop, kGranularityMinimum);
+  if (r != kSuccess || gran == 0) {
+    return DriverFail(err, "cuMemGetAllocationGranularity", r);
+  }
+  size_t n = (bytes + gran - 1) / gran * gran;
+  if (n == 0) n = gran;
+  Handle h = 0;
+  r = g_cu.Create(&h, n, &prop, 0);
+  if (r != kSuccess) {
+    return DriverFail(err, "cuMemCreate(" + std::to_string(n) + " bytes)", r);
+  }
+  bool ok = MapHandle(ordinal, h, n, va, err);
+  g_cu.Release(h);  // the mapping holds it; unmapping frees it
+  if (ok) *size = n;
+  return ok;
+}
+
+bool NewStream(int ordinal, uintptr_t* stream, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  CUstream s = nullptr;
+  CUresult r = g_cu.StreamCreate(&s, kStreamNonBlocking);
+  if (r != kSuccess) return DriverFail(err, "cuStreamCreate", r);
+  *stream = reinterpret_cast<uintptr_t>(s);
+  return true;
+}
+
+bool RecordIpcEvent(int ordinal, uintptr_t stream, uintptr_t* event,
+                    std::string* handle, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  CUevent ev = nullptr;
+  CUresult r = g_cu.EventCreate(&ev, kEventDisableTiming | kEventInterprocess);
+  if (r != kSuccess) return DriverFail(err, "cuEventCreate(interprocess)", r);
+  r = g_cu.EventRecord(ev, reinterpret_cast<CUstream>(stream));
+  EventHandle eh{};
+  if (r == kSuccess) r = g_cu.IpcGetEventHandle(&eh, ev);
+  if (r != kSuccess) {
+    g_cu.EventDestroy(ev);
+    return DriverFail(err, "recording an interprocess event", r);
+  }
+  *event = reinterpret_cast<uintptr_t>(ev);
+  handle->assign(eh.reserved, kEventHandleBytes);
+  return true;
+}
+
+bool DestroyEvent(int ordinal, uintptr_t event, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  CUresult r = g_cu.EventDestroy(reinterpret_cast<CUevent>(event));
+  if (r != kSuccess) return DriverFail(err, "cuEventDestroy", r);
+  return true;
+}
+
+bool EventDone(int ordinal, uintptr_t event, bool* done, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  CUresult r = g_cu.EventQuery(reinterpret_cast<CUevent>(event));
+  if (r != kSuccess && r != kNotReady) return DriverFail(err, "cuEventQuery", r);
+  *done = r == kSuccess;
+  return true;
+}
+
+bool WaitIpcEvent(int ordinal, const std::string& handle, uintptr_t stream,
+                  Error* err) {
+  if (handle.size() != kEventHandleBytes) {
+    return Fail(err, ErrorKind::kValue,
+                "an interprocess event handle is " +
+                    std::to_string(kEventHandleBytes) + " bytes, not " +
+                    std::to_string(handle.size()));
+  }
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  EventHandle eh;
+  std::memcpy(eh.reserved, handle.data(), kEventHandleBytes);
+  CUevent ev = nullptr;
+  CUresult r = g_cu.IpcOpenEventHandle(&ev, eh);
+  if (r != kSuccess) {
+    return DriverFail(err, "cuIpcOpenEventHandle (the exporter's event; has "
+                           "the exporting process exited?)", r);
+  }
+  r = g_cu.StreamWaitEvent(reinterpret_cast<CUstream>(stream), ev, 0);
+  // Closing the opened event is safe once the wait is enqueued.
+  g_cu.EventDestroy(ev);
+  if (r != kSuccess) return DriverFail(err, "cuStreamWaitEvent", r);
+  return true;
+}
+
+bool CopyAsync(int ordinal, uintptr_t dst, uintptr_t src, size_t bytes,
+               uintptr_t stream, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  CUresult r = g_cu.MemcpyDtoDAsync(CUdeviceptr(dst), CUdeviceptr(src), bytes,
+                                    reinterpret_cast<CUstream>(stream));
+  if (r != kSuccess) return DriverFail(err, "cuMemcpyDtoDAsync", r);
+  return true;
+}
+
+}  // namespace jxo::ipc
