@@ -146,7 +146,9 @@ class _Exporter:
     """This process's share server: one thread, one abstract Unix socket."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        # Reentrant: a Share collected while this thread holds the lock
+        # releases itself through it.
+        self.lock = threading.RLock()
         self.entries: dict[int, _Entry] = {}
         self.next_id = 1
         self.pid = None
@@ -398,13 +400,13 @@ def _share(tree, *, copy, once):
         for x, p in zip(leaves, ptrs):
             offsets.append(total if p else -1)
             total += -(-x.nbytes // _ALIGN) * _ALIGN if p else 0
-        va, size = ext.alloc_exportable(ordinal, max(total, 1))
-        dedicated = (va, size)
+        mine = ext.alloc_exportable(ordinal, max(total, 1))
+        dedicated = (mine.base, mine.size)
         for x, p, off in zip(leaves, ptrs, offsets):
             if p:
-                ext.copy_async(ordinal, va + off, p, x.nbytes, stream)
-        allocs = [(ext.allocation_of(ordinal, va)[2], size)]
-        bases = [va]
+                ext.copy_async(ordinal, mine.base + off, p, x.nbytes, stream)
+        allocs = [(mine.block_id, mine.size)]
+        bases = [mine.base]
         spots = [(0, off) if off >= 0 else (-1, 0) for off in offsets]
     else:
         by_block: dict[Any, int] = {}
@@ -413,8 +415,9 @@ def _share(tree, *, copy, once):
             if not p:
                 spots.append((-1, 0))
                 continue
-            base, size, block, types, _ = ext.allocation_of(ordinal, p)
-            if not types & _HANDLE_POSIX_FD:
+            a = ext.allocation_of(ordinal, p)
+            base, size, block = a.base, a.size, a.block_id
+            if not a.handle_types & _HANDLE_POSIX_FD:
                 raise BufferError(
                     f"{jax.tree_util.keystr(path)}: XLA's allocator gave this buffer memory "
                     "that cannot be exported as a file descriptor (XLA's cuda_async "
@@ -436,7 +439,8 @@ def _share(tree, *, copy, once):
     try:
         for b in bases:
             fds.append(ext.export_fd(ordinal, b))
-        event, event_handle = ext.record_ipc_event(ordinal, stream)
+        recorded = ext.record_ipc_event(ordinal, stream)
+        event, event_handle = recorded.event, recorded.handle
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -460,17 +464,14 @@ def _share(tree, *, copy, once):
 # shared by every open share that names it and unmapped when the last of
 # them is let go.
 class _Mapping:
-    __slots__ = ("ordinal", "va", "size", "sync", "__weakref__")
+    __slots__ = ("ordinal", "va", "size", "__weakref__")
 
     def __init__(self, ordinal, va, size):
-        self.ordinal, self.va, self.size, self.sync = ordinal, va, size, False
+        self.ordinal, self.va, self.size = ordinal, va, size
 
     def __del__(self):
         try:
-            # PJRT frees a JAX view only after its last use on the GPU; a
-            # framework's storage deleter runs when its tensor dies, work
-            # possibly pending: then the device is synchronized first.
-            ext.unmap(self.ordinal, self.va, self.size, self.sync)
+            ext.unmap(self.ordinal, self.va, self.size, False)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -482,14 +483,23 @@ _mappings_lock = threading.Lock()
 class _Opened:
     """A receiver's hold on one share: the connection (the exporter's lease)
     and the mappings.  Every opened array holds it; the last one's death
-    closes the connection."""
+    closes the connection, and the exporter may then reuse the memory."""
 
-    __slots__ = ("conn", "mappings", "__weakref__")
+    __slots__ = ("conn", "mappings", "sync", "__weakref__")
 
     def __init__(self, conn, mappings):
-        self.conn, self.mappings = conn, mappings
+        self.conn, self.mappings, self.sync = conn, mappings, None
 
     def __del__(self):
+        try:
+            if self.sync is not None:
+                # PJRT frees a JAX view only after its last use on the GPU,
+                # but PyTorch and CuPy free foreign memory as soon as the
+                # tensor dies, work possibly still queued: that work must
+                # end before the exporter may reuse the memory.
+                ext.synchronize(self.sync)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
         try:
             self.conn.close()
         except Exception:  # noqa: BLE001
@@ -605,8 +615,7 @@ def _open_jax(share, opened, ordinal):
 def _open_peer(share, opened, ordinal, framework):
     from . import peers
     peer = peers.REGISTRY[framework]
-    for m in opened.mappings:
-        m.sync = True  # the framework frees without waiting for its streams
+    opened.sync = ordinal  # the framework frees without waiting for its streams
     ext.wait_ipc_event(ordinal, share.event, peer.current_stream(ordinal))
     out = []
     for i, off, shape, name in share.leaves:

@@ -23,6 +23,10 @@
 #                                 Numba x x64 off/on), then the long run
 #                                 (tools/fuzz_dropin.py --gpu) in what is
 #                                 left of the call, JSON in $OUT
+#   bash tools/gpu_session.sh 5   between processes: tests/gpu/test_ipc_gpu.py,
+#                                 the host-read in-flight import test, the
+#                                 driver's facts (benchmarks/probe_ipc.py) and
+#                                 benchmarks/bench_ipc.py
 #   bash tools/gpu_session.sh 4 K the long run only, from case 10^6 K, for
 #                                 about 8 minutes (K = 1, 2, ... until the
 #                                 JSONs add up to 10^5 cases or more)
@@ -53,7 +57,7 @@ case "${1:-}" in
     >"$O/release.txt" 2>&1
   echo "release probe exit status $?"; cat "$O/release.txt"
   ;;
-2|3|4)
+2|3|4|5)
   JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
   export PYTHONPATH=$PWD
   ;;&
@@ -109,5 +113,18 @@ case "${1:-}" in
   echo "gpu fuzz $K exit status $?" | tee -a "$O/fuzz-gpu-$K.txt"
   tail -30 "$O/fuzz-gpu-$K.txt"; cp "${OUT:-.}/fuzz-gpu-$K.json" "$O/" 2>/dev/null
   ;;
-*) echo "usage: $0 1|2|3|4 [K]" >&2; exit 2 ;;
+5)
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/ipc-gpu.txt"
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 tests/gpu/test_ipc_gpu.py \
+    tests/cpu/test_ipc.py >>"$O/ipc-gpu.txt" 2>&1
+  echo "ipc tests exit status $?" | tee -a "$O/ipc-gpu.txt"; tail -30 "$O/ipc-gpu.txt"; tarball
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_dlpack_import_gpu.py -k host_directly >"$O/hostread.txt" 2>&1
+  echo "host-read test exit status $?" | tee -a "$O/hostread.txt"; tail -5 "$O/hostread.txt"; tarball
+  timeout 90 "$PY" benchmarks/probe_ipc.py --json "$O/ipc-facts.json" >"$O/ipc-facts.txt" 2>&1
+  echo "ipc probe exit status $?"; tarball
+  timeout 120 "$PY" benchmarks/bench_ipc.py --rounds "${ROUNDS:-5}" --out "$O" >"$O/ipc-bench.txt" 2>&1
+  echo "ipc bench exit status $?"; cat "$O/ipc-bench.txt"; tail -c 1500 "$O/ipc-facts.txt"
+  ;;
+*) echo "usage: $0 1|2|3|4|5 [K]" >&2; exit 2 ;;
 esac

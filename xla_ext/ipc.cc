@@ -399,6 +399,14 @@ bool WaitIpcEvent(int ordinal, const std::string& handle, uintptr_t stream,
   return true;
 }
 
+bool Synchronize(int ordinal, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  CUresult r = g_cu.CtxSynchronize();
+  if (r != kSuccess) return DriverFail(err, "cuCtxSynchronize", r);
+  return true;
+}
+
 bool CopyAsync(int ordinal, uintptr_t dst, uintptr_t src, size_t bytes,
                uintptr_t stream, Error* err) {
   cuda::DeviceScope scope;

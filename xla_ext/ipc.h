@@ -28,6 +28,12 @@ struct Allocation {
   bool legacy_ipc = false;    // cuIpcGetMemHandle would work instead
 };
 
+// An interprocess event of this process, and its handle.
+struct IpcEvent {
+  uintptr_t event = 0;
+  std::string handle;
+};
+
 // What the driver says of the allocation holding `ptr` (device `ordinal`).
 bool AllocationOf(int ordinal, uintptr_t ptr, Allocation* out, Error* err);
 
@@ -69,6 +75,9 @@ bool EventDone(int ordinal, uintptr_t event, bool* done, Error* err);
 // wait on the GPU for another process's event, given by its handle.
 bool WaitIpcEvent(int ordinal, const std::string& handle, uintptr_t stream,
                   Error* err);
+
+// Waits on the host for all work of the device's primary context.
+bool Synchronize(int ordinal, Error* err);
 
 // cuMemcpyDtoDAsync on `stream`.
 bool CopyAsync(int ordinal, uintptr_t dst, uintptr_t src, size_t bytes,

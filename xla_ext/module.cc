@@ -520,18 +520,23 @@ PYBIND11_MODULE(_xla_ext, m) {
   auto check = [](bool ok, const Error& err) {
     if (!ok) Raise(err);
   };
+  py::class_<ipc::Allocation>(m, "Allocation",
+                              "The allocation holding a pointer.")
+      .def_readonly("base", &ipc::Allocation::base)
+      .def_readonly("size", &ipc::Allocation::size)
+      .def_readonly("block_id", &ipc::Allocation::block_id)
+      .def_readonly("handle_types", &ipc::Allocation::handle_types)
+      .def_readonly("legacy_ipc", &ipc::Allocation::legacy_ipc);
   m.def(
       "allocation_of",
       [check](int ordinal, uintptr_t ptr) {
         ipc::Allocation a;
         Error err;
         check(ipc::AllocationOf(ordinal, ptr, &a, &err), err);
-        return py::make_tuple(a.base, a.size, a.block_id, a.handle_types,
-                              a.legacy_ipc);
+        return a;
       },
       py::arg("ordinal"), py::arg("ptr"),
-      "(base, size, block_id, handle_types, legacy_ipc) of the allocation "
-      "holding `ptr`.");
+      "The Allocation holding `ptr` on CUDA device `ordinal`.");
   m.def(
       "export_fd",
       [check](int ordinal, uintptr_t ptr) {
@@ -579,10 +584,15 @@ PYBIND11_MODULE(_xla_ext, m) {
         size_t size = 0;
         Error err;
         check(ipc::AllocExportable(ordinal, nbytes, &va, &size, &err), err);
-        return py::make_tuple(va, size);
+        ipc::Allocation a;
+        check(ipc::AllocationOf(ordinal, va, &a, &err), err);
+        a.base = va;  // the mapping made here, whatever the driver reports
+        a.size = size;
+        return a;
       },
       py::arg("ordinal"), py::arg("nbytes"),
-      "(address, size) of a new exportable allocation, mapped here.");
+      "The Allocation of a new exportable allocation of at least `nbytes`, "
+      "mapped here (unmap frees it).");
   m.def(
       "new_stream",
       [check](int ordinal) {
@@ -592,18 +602,22 @@ PYBIND11_MODULE(_xla_ext, m) {
         return s;
       },
       py::arg("ordinal"), "A new non-blocking stream (never destroyed).");
+  py::class_<ipc::IpcEvent>(m, "IpcEvent", "An interprocess event.")
+      .def_readonly("event", &ipc::IpcEvent::event)
+      .def_property_readonly(
+          "handle", [](const ipc::IpcEvent& e) { return py::bytes(e.handle); },
+          "Its 64-byte handle, for wait_ipc_event in another process.");
   m.def(
       "record_ipc_event",
       [check](int ordinal, uintptr_t stream) {
-        uintptr_t ev = 0;
-        std::string h;
+        ipc::IpcEvent e;
         Error err;
-        check(ipc::RecordIpcEvent(ordinal, stream, &ev, &h, &err), err);
-        return py::make_tuple(ev, py::bytes(h));
+        check(ipc::RecordIpcEvent(ordinal, stream, &e.event, &e.handle, &err),
+              err);
+        return e;
       },
       py::arg("ordinal"), py::arg("stream"),
-      "(event, 64-byte handle) of an interprocess event recorded on "
-      "`stream`.");
+      "An IpcEvent recorded on `stream` now.");
   m.def(
       "destroy_event",
       [check](int ordinal, uintptr_t event) {
@@ -630,6 +644,20 @@ PYBIND11_MODULE(_xla_ext, m) {
       py::arg("ordinal"), py::arg("handle"), py::arg("stream"),
       "Makes `stream` wait on the GPU for another process's interprocess "
       "event.");
+  m.def(
+      "synchronize",
+      [check](int ordinal) {
+        Error err;
+        // The GIL is let go: other threads' deleters may need it meanwhile.
+        bool ok;
+        {
+          py::gil_scoped_release release;
+          ok = ipc::Synchronize(ordinal, &err);
+        }
+        check(ok, err);
+      },
+      py::arg("ordinal"),
+      "Waits on the host for all work of the device's primary context.");
   m.def(
       "copy_async",
       [check](int ordinal, uintptr_t dst, uintptr_t src, size_t nbytes,
