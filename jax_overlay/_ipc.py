@@ -506,6 +506,41 @@ class _Opened:
             pass
 
 
+def _request(share, need):
+    """(connection, descriptors): asks the exporter for `share` and the
+    descriptors of its allocations `need`; the open connection is the
+    receiver's hold on the share from then on."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(share.address)
+    except OSError as e:
+        conn.close()
+        raise BufferError(
+            f"the exporting process (pid {share.pid}) no longer serves its shares ({e}): it "
+            "has exited. Arrays opened from it before stay valid (their mappings hold the "
+            "memory); make a new share in a live process") from None
+    fds: list[int] = []
+    try:
+        conn.send(json.dumps({"open": share.share_id, "need": need}).encode())
+        while True:
+            msg, got, _, _ = socket.recv_fds(conn, 65536, _FDS_PER_MESSAGE)
+            fds.extend(got)
+            reply = json.loads(msg) if msg else {"error": "the exporter closed the connection"}
+            if "error" in reply or not reply.get("more"):
+                break
+        if "error" in reply:
+            raise BufferError(reply["error"])
+        if len(fds) != len(need):
+            raise BufferError(f"the exporter sent {len(fds)} descriptors for {len(need)} "
+                              "allocations")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        raise
+    return conn, fds
+
+
 def _ordinal_of(uuid: bytes) -> int:
     for i in range(ext.device_count()):
         if ext.device_uuid(i) == uuid:
@@ -540,50 +575,29 @@ def open_shared(share: Share, *, framework: str = "jax") -> Any:
     if share.pid == os.getpid() and share.address == _EXPORTER.address:
         return _same_process(share, framework)
     ordinal = _ordinal_of(share.uuid)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        conn.connect(share.address)
-    except OSError as e:
-        conn.close()
-        raise BufferError(
-            f"the exporting process (pid {share.pid}) no longer serves its shares ({e}): it "
-            "has exited. Arrays opened from it before stay valid (their mappings hold the "
-            "memory); make a new share in a live process") from None
     mappings: list[Any] = [None] * len(share.allocations)
-    try:
-        with _mappings_lock:
-            need = []
-            for i, (block, size) in enumerate(share.allocations):
-                m = _mappings.get((share.address, block, size)) if block else None
-                if m is None:
-                    need.append(i)
-                else:
-                    mappings[i] = m
-            conn.send(json.dumps({"open": share.share_id, "need": need}).encode())
-            fds: list[int] = []
-            while True:
-                msg, got, _, _ = socket.recv_fds(conn, 65536, _FDS_PER_MESSAGE)
-                fds.extend(got)
-                reply = json.loads(msg) if msg else {"error": "the exporter closed the connection"}
-                if "error" in reply or not reply.get("more"):
-                    break
-            if "error" in reply:
-                for fd in fds:
-                    os.close(fd)
-                raise BufferError(reply["error"])
-            try:
-                for i, fd in zip(need, fds):
-                    block, size = share.allocations[i]
-                    m = _Mapping(ordinal, ext.map_fd(ordinal, fd, size), size)
-                    mappings[i] = m
-                    if block:
-                        _mappings[(share.address, block, size)] = m
-            finally:
-                for fd in fds:
-                    os.close(fd)
-    except BaseException:
-        conn.close()
-        raise
+    with _mappings_lock:
+        need = []
+        for i, (block, size) in enumerate(share.allocations):
+            m = _mappings.get((share.address, block, size)) if block else None
+            if m is None:
+                need.append(i)
+            else:
+                mappings[i] = m
+        conn, fds = _request(share, need)
+        try:
+            for i, fd in zip(need, fds):
+                block, size = share.allocations[i]
+                m = _Mapping(ordinal, ext.map_fd(ordinal, fd, size), size)
+                mappings[i] = m
+                if block:
+                    _mappings[(share.address, block, size)] = m
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
     opened = _Opened(conn, mappings)
     if framework == "jax":
         return _open_jax(share, opened, ordinal)

@@ -1,0 +1,23 @@
+"""The receiving process of tests/cpu/test_ipc_leases.py: asks an exporter
+for a share's descriptors over jax_overlay's socket protocol, then does
+what the test says with its hold."""
+
+import os
+
+
+def receive(share, need, conn):
+    from jax_overlay import _ipc
+    try:
+        sock, fds = _ipc._request(share, need)
+    except BufferError as e:
+        conn.send(("BufferError", str(e)))
+        return
+    # What each descriptor holds: the exporter's bytes, through SCM_RIGHTS.
+    conn.send(("ok", [os.pread(fd, 64, 0) for fd in fds[:3]], len(fds)))
+    for fd in fds:
+        os.close(fd)
+    what = conn.recv()
+    if what == "crash":
+        os._exit(9)  # the kernel closes the socket: the hold must end anyway
+    sock.close()  # let go
+    conn.send("closed")
