@@ -94,6 +94,9 @@ def serve(conn, env=None, framework="jax", queue=None):
                 out = None
                 gc.collect()
                 out = jax_overlay._ipc.live_shares()
+            elif op == "init":  # JAX's GPU client (its context's memory) up front
+                jax.block_until_ready(jax.numpy.zeros(1))
+                out = True
             elif op == "live":
                 out = jax_overlay._ipc.live_shares()
             elif op == "free":

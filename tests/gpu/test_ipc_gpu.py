@@ -203,8 +203,8 @@ def test_memory_reclaimed_through_free_memory():
     exporter = Peer(env={"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"})
     receiver = Peer()
     try:
-        exporter.ok("live")
-        receiver.ok("free")
+        exporter.ok("init")
+        receiver.ok("init")
         free0 = exporter.ok("free")
         h = exporter.ok("share", size, 2.0, {})
         free1 = exporter.ok("free")
