@@ -70,6 +70,7 @@ struct Table {
   CUresult (*Create)(Handle*, size_t, const AllocationProp*,
                      unsigned long long);
   CUresult (*GetGranularity)(size_t*, const AllocationProp*, int);
+  CUresult (*GetPropertiesFromHandle)(AllocationProp*, Handle);
   CUresult (*AddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
                              unsigned long long);
   CUresult (*AddressFree)(CUdeviceptr, size_t);
@@ -113,6 +114,7 @@ void LoadOnce() {
          Sym(lib, "cuMemRelease", &g_cu.Release) &&
          Sym(lib, "cuMemCreate", &g_cu.Create) &&
          Sym(lib, "cuMemGetAllocationGranularity", &g_cu.GetGranularity) &&
+         Sym(lib, "cuMemGetAllocationPropertiesFromHandle", &g_cu.GetPropertiesFromHandle) &&
          Sym(lib, "cuMemAddressReserve", &g_cu.AddressReserve) &&
          Sym(lib, "cuMemAddressFree", &g_cu.AddressFree) &&
          Sym(lib, "cuMemMap", &g_cu.Map) &&
@@ -253,8 +255,15 @@ namespace {
 // Reserves, maps and grants access; on failure undoes what it did.  The
 // handle stays the caller's to release: the mapping holds the memory.
 bool MapHandle(int ordinal, Handle h, size_t size, uintptr_t* va, Error* err) {
+  // The range must be aligned as the allocation's granularity asks.
+  AllocationProp prop{};
+  size_t align = 0;
+  if (g_cu.GetPropertiesFromHandle(&prop, h) != kSuccess ||
+      g_cu.GetGranularity(&align, &prop, kGranularityMinimum) != kSuccess) {
+    align = 0;  // the driver's default
+  }
   CUdeviceptr p = 0;
-  CUresult r = g_cu.AddressReserve(&p, size, 0, 0, 0);
+  CUresult r = g_cu.AddressReserve(&p, size, align, 0, 0);
   if (r != kSuccess) return DriverFail(err, "cuMemAddressReserve", r);
   r = g_cu.Map(p, size, 0, h, 0);
   if (r != kSuccess) {
