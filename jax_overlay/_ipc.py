@@ -637,7 +637,14 @@ def _open_peer(share, opened, ordinal, framework):
         ptr = opened.mappings[i].va + off if i >= 0 else 0
         cap = ext.raw_capsule(opened, ptr, shape, None, dtype_code(dtype), KDLCUDA, ordinal)
         out.append(peer.wrap_capsule(cap, ordinal))
+    peer.came_from_share(out, share, [m.va for m in opened.mappings if m is not None])
     return jax.tree_util.tree_unflatten(share.treedef, out)
+
+
+def open_leaf(share: Share, index: int, framework: str) -> Any:
+    """Leaf `index` of a share, opened by `framework` (how a peer passes on
+    an array it opened from a share: as the share itself)."""
+    return jax.tree_util.tree_leaves(open_shared(share, framework=framework))[index]
 
 
 def _same_process(share, framework):

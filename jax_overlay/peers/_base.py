@@ -66,6 +66,11 @@ class Peer:
         share is ordered behind (``open_shared(framework=...)``)."""
         raise NotImplementedError(f"{self.title} cannot open shares here")
 
+    def came_from_share(self, arrays: list, share: Any, mapped: list) -> None:
+        """Told which of the library's arrays `open_shared` just made from
+        `share` (mapped: the start of each allocation it mapped), for a
+        library whose own interprocess pickling needs a word about them."""
+
     def wrap_capsule(self, capsule: Any, ordinal: int) -> Any:
         """The library's array over a DLPack capsule of CUDA device memory
         it does not own, holding the capsule's owner until it frees it."""

@@ -103,6 +103,21 @@ class Torch(Peer):
         import torch.utils.dlpack
         return torch.utils.dlpack.from_dlpack(capsule)
 
+    def came_from_share(self, arrays, share, mapped):
+        """PyTorch's own interprocess pickling (torch.multiprocessing) needs
+        memory from its caching allocator, and refuses tensors over a
+        share's mappings.  Those tensors are passed on as the share itself
+        (the next process opens it from the exporter); any other tensor
+        over such memory (a slice, a view) gets an error saying so."""
+        import weakref
+        global _from_shares
+        if _from_shares is None:
+            _from_shares = weakref.WeakKeyDictionary()
+            _wrap_reducers()
+        for i, t in enumerate(arrays):
+            _from_shares[t] = (share, i)
+        _mapped.update(mapped)
+
     @staticmethod
     def autograd(fn):
         return autograd_vjp(fn)
@@ -216,6 +231,52 @@ class Foreign(GpuAdapter):
             view.copy_(got)  # on the current stream: XLA's
         else:
             view.fill_(got)
+
+
+# Tensors open_shared made, each with (share, leaf index), and the starts of
+# the allocations it mapped: see Torch.came_from_share.
+_from_shares: Any = None
+_mapped: set = set()
+
+
+def _wrap_reducers():
+    """Wraps PyTorch's pickling reducers of CUDA tensors (registered with
+    multiprocessing's pickler when torch is imported, which open_shared has
+    done by now) for tensors that came from a share."""
+    import torch
+    from multiprocessing.reduction import ForkingPickler
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        theirs = ForkingPickler._extra_reducers.get(cls)
+        if theirs is None or getattr(theirs, "_jax_overlay", False):
+            continue
+
+        def reduce(t, theirs=theirs):
+            src = _from_shares.get(t) if _from_shares is not None else None
+            if src is not None:
+                from .._ipc import open_leaf
+                return open_leaf, (src[0], src[1], "torch")
+            try:
+                return theirs(t)
+            except RuntimeError as e:
+                if t.is_cuda and _in_a_share(t):
+                    raise BufferError(
+                        "this CUDA tensor views memory opened with jax_overlay.open_shared, "
+                        "which PyTorch's own interprocess sharing cannot send "
+                        f"({type(e).__name__}: {e}); send the jax_overlay.Share itself, or "
+                        "the tensors open_shared returned (jax_overlay sends those as the "
+                        "share), or t.clone() for a tensor of PyTorch's own memory") from e
+                raise
+        reduce._jax_overlay = True  # type: ignore[attr-defined]
+        ForkingPickler.register(cls, reduce)
+
+
+def _in_a_share(t):
+    from .. import _xla_ext as ext
+    try:
+        start = ext.pointer_info(t.data_ptr()).range_start
+    except BufferError:
+        return False
+    return start in _mapped
 
 
 def autograd_vjp(fn: Any):

@@ -101,6 +101,16 @@ def serve(conn, env=None, framework="jax", queue=None):
                 out = jax_overlay._ipc.live_shares()
             elif op == "free":
                 out = free_memory()
+            elif op == "pass_on":  # open as torch, pass leaf 0 on with torch's queue
+                from multiprocessing.reduction import ForkingPickler
+                (t,) = jax.tree_util.tree_leaves(jax_overlay.open_shared(args[0], framework="torch"))
+                ForkingPickler.dumps(t)  # sent as the share: no error
+                queue.put(t)
+                try:
+                    ForkingPickler.dumps(t[1:])  # a view of the mapping: PyTorch refuses
+                    out = "no error"
+                except BufferError as e:
+                    out = str(e)
             elif op == "queue_get":  # a jax_overlay.multiprocessing queue
                 x = queue.get(timeout=60)
                 out = (_host(x), _describe(x))

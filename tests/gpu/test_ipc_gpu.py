@@ -354,3 +354,30 @@ def test_shared_array_cannot_be_donated():
     # Either way the shared buffer was not given away: x lives on, unchanged.
     assert not x.is_deleted() and float(x[0]) == 1.0
     h.release()
+
+
+def test_torch_passes_an_opened_tensor_on():
+    """A tensor opened from a share goes on through torch.multiprocessing
+    (as the share); a slice of it, which PyTorch's IPC refuses, gets an
+    error naming what to send instead."""
+    pytest.importorskip("torch")
+    import torch.multiprocessing as tmp
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    middle = Peer(framework="torch", queue=q, ctx=ctx)
+    last = Peer(queue=q, ctx=ctx)
+    try:
+        x = jnp.arange(1 << 16, dtype=jnp.float32)
+        h = _ipc.share([x])
+        last.conn.send(("torch_queue_get",))
+        why = middle.ok("pass_on", h)
+        assert "send the jax_overlay.Share itself" in why, why
+        assert last.conn.poll(120)
+        assert last.conn.recv() == ("ok", True)  # zero-copy into JAX at the end
+        last.conn.send("go")
+        r = last.conn.recv()
+        assert r[0] == "ok", r
+        np.testing.assert_array_equal(r[1], np.asarray(x))
+    finally:
+        middle.close()
+        last.close()
