@@ -81,8 +81,23 @@ class Share:
     __slots__ = ("version", "address", "share_id", "pid", "boot_id", "host", "uuid",
                  "event", "treedef", "leaves", "allocations", "nbytes", "exposed_bytes",
                  "copied", "_local", "__weakref__")
+    version: int          # SHARE_VERSION of the exporter's jax_overlay
+    address: str          # the exporter's abstract socket
+    share_id: int
+    pid: int              # the exporting process
+    boot_id: str          # the kernel's boot id: the machine
+    host: str
+    uuid: bytes           # the GPU's
+    event: bytes          # the interprocess event's handle
+    treedef: Any
+    leaves: list          # (allocation index or -1, offset, shape, dtype name) per leaf
+    allocations: list     # (memory block id, bytes) per allocation
+    nbytes: int
+    exposed_bytes: int
+    copied: bool
+    _local: bool          # this object ends the share (the exporter's own)
 
-    def __init__(self, **fields):
+    def __init__(self, **fields: Any):
         self._local = False
         for k, v in fields.items():
             setattr(self, k, v)
@@ -229,6 +244,7 @@ class _Exporter:
                     sel.register(conn, selectors.EVENT_READ, [0])
                     continue
                 conn, held = key.fileobj, key.data
+                assert isinstance(conn, socket.socket)
                 try:
                     msg = conn.recv(65536)
                 except OSError:
@@ -255,7 +271,7 @@ class _Exporter:
             return 0
         with self.lock:
             e = self.entries.get(sid)
-            why = None
+            why: str | None = None
             if uid != os.getuid():
                 why = (f"the receiving process runs as user {uid} and the exporter as user "
                        f"{os.getuid()}: shares open only between processes of one user")
@@ -273,6 +289,7 @@ class _Exporter:
             if why is not None:
                 conn.send(json.dumps({"error": why}).encode())
                 return 0
+            assert e is not None  # held: not freed meanwhile
             fds = [e.fds[i] for i in need]
             for k in range(0, max(len(fds), 1), _FDS_PER_MESSAGE):
                 chunk = fds[k:k + _FDS_PER_MESSAGE]
@@ -294,7 +311,8 @@ def _free(e: _Entry) -> None:
             # The copies into it must be done before it is unmapped.
             while not ext.event_done(e.ordinal, e.event):
                 threading.Event().wait(0.0005)
-            ext.unmap(e.ordinal, *e.dedicated, False)
+            va, size = e.dedicated
+            ext.unmap(e.ordinal, va, size, False)
         ext.destroy_event(e.ordinal, e.event)
     except BufferError:
         pass  # the driver is shutting down with the process
@@ -320,7 +338,7 @@ def _leaf_error(path, x):
             f"{where} is sharded over {len(x.sharding.device_set)} devices; share takes "
             "single-device arrays: share [s.data for s in x.addressable_shards] instead")
     dev = next(iter(x.sharding.device_set))
-    if dev.platform != "gpu":
+    if getattr(dev, "platform", None) != "gpu":
         return BufferError(
             f"{where} is on {dev} (host memory): share maps GPU memory between processes; "
             "send host arrays by pickling them (multiprocessing copies them), or put them "
@@ -358,7 +376,7 @@ def _share(tree, *, copy, once):
     ordinal = None
     for path, x in leaves_with_path:  # wrong types first, wherever they are
         if not isinstance(x, jax.Array):
-            raise _leaf_error(path, x)  # type: ignore[misc]
+            raise TypeError(str(_leaf_error(path, x)))
     for path, x in leaves_with_path:
         err = _leaf_error(path, x)
         if err is not None:
@@ -445,7 +463,7 @@ def _share(tree, *, copy, once):
         for fd in fds:
             os.close(fd)
         if dedicated is not None:
-            ext.unmap(ordinal, *dedicated, True)
+            ext.unmap(ordinal, dedicated[0], dedicated[1], True)
         raise
     entry = _Entry(tree, keep, ordinal, fds, event, dedicated, holds=1)
     entry.once = once
@@ -650,20 +668,22 @@ def open_leaf(share: Share, index: int, framework: str) -> Any:
 def _same_process(share, framework):
     with _EXPORTER.lock:
         e = _EXPORTER.entries.get(share.share_id)
-        tree = None if e is None or e.released and not e.once else e.tree
-    if tree is None:
-        raise BufferError(f"share {share.share_id} of this process was released: make a new "
-                          "share")
-    if e.once:  # a one-shot share opened here: its hold ends now
+        if e is None or (e.released and not e.once):
+            raise BufferError(f"share {share.share_id} of this process was released: make a "
+                              "new share")
+        tree, once = e.tree, e.once
         e.once = False
+    if once:  # a one-shot share opened here: its hold ends now
         _EXPORTER._drop(share.share_id)
     if framework == "jax":
         return tree
     from . import peers
     peer = peers.REGISTRY[framework]
-    return jax.tree_util.tree_map(
-        lambda x: peer.wrap_capsule(x.__dlpack__(), x.unsafe_buffer_pointer() and
-                                    ext.pointer_info(x.unsafe_buffer_pointer()).ordinal), tree)
+
+    def wrap(x):
+        ordinal = ext.pointer_info(x.unsafe_buffer_pointer()).ordinal if x.size else 0
+        return peer.wrap_capsule(x.__dlpack__(), ordinal)
+    return jax.tree_util.tree_map(wrap, tree)
 
 
 def live_shares() -> int:

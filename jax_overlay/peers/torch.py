@@ -246,7 +246,7 @@ def _wrap_reducers():
     import torch
     from multiprocessing.reduction import ForkingPickler
     for cls in (torch.Tensor, torch.nn.Parameter):
-        theirs = ForkingPickler._extra_reducers.get(cls)
+        theirs = ForkingPickler._extra_reducers.get(cls)  # type: ignore[attr-defined]
         if theirs is None or getattr(theirs, "_jax_overlay", False):
             continue
 
