@@ -110,12 +110,16 @@ class Torch(Peer):
         (the next process opens it from the exporter); any other tensor
         over such memory (a slice, a view) gets an error saying so."""
         import weakref
-        global _from_shares
-        if _from_shares is None:
-            _from_shares = weakref.WeakKeyDictionary()
+        if not _from_shares:
             _wrap_reducers()
         for i, t in enumerate(arrays):
-            _from_shares[t] = (share, i)
+            # By identity (a tensor's == is elementwise); the weak
+            # reference's callback drops the entry when the tensor dies.
+            key = id(t)
+
+            def forget(_, key=key):
+                _from_shares.pop(key, None)
+            _from_shares[key] = (weakref.ref(t, forget), share, i)
         _mapped.update(mapped)
 
     @staticmethod
@@ -233,9 +237,9 @@ class Foreign(GpuAdapter):
             view.fill_(got)
 
 
-# Tensors open_shared made, each with (share, leaf index), and the starts of
-# the allocations it mapped: see Torch.came_from_share.
-_from_shares: Any = None
+# Tensors open_shared made, by id: (weak reference, share, leaf index); and
+# the starts of the allocations it mapped: see Torch.came_from_share.
+_from_shares: dict[int, tuple] = {}
 _mapped: set = set()
 
 
@@ -248,13 +252,13 @@ def _wrap_reducers():
     for cls in (torch.Tensor, torch.nn.Parameter):
         theirs = ForkingPickler._extra_reducers.get(cls)  # type: ignore[attr-defined]
         if theirs is None or getattr(theirs, "_jax_overlay", False):
-            continue
+            continue  # not registered by PyTorch, or wrapped already
 
         def reduce(t, theirs=theirs):
-            src = _from_shares.get(t) if _from_shares is not None else None
-            if src is not None:
+            src = _from_shares.get(id(t))
+            if src is not None and src[0]() is t:
                 from .._ipc import open_leaf
-                return open_leaf, (src[0], src[1], "torch")
+                return open_leaf, (src[1], src[2], "torch")
             try:
                 return theirs(t)
             except RuntimeError as e:

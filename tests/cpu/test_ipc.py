@@ -103,3 +103,25 @@ def test_multiprocessing_sends_host_arrays_as_copies():
 def test_multiprocessing_module_is_the_standard_one():
     import jax_overlay.multiprocessing as jmp
     assert jmp.Queue is multiprocessing.Queue and jmp.get_context is multiprocessing.get_context
+
+
+def test_torch_tensors_from_a_share_pickle_as_the_share():
+    """PyTorch's reducers are wrapped once a share is opened as tensors:
+    the tensors open_shared made are sent as (share, leaf index); any other
+    tensor goes through PyTorch's own reducer, unchanged."""
+    from torch_or_skip import torch as torch_or_skip
+    torch = torch_or_skip()
+    from multiprocessing.reduction import ForkingPickler
+
+    from jax_overlay import peers
+    peer = peers.REGISTRY["torch"]
+    mine, other = torch.arange(4.0), torch.arange(3.0)
+    h = a_share()
+    peer.came_from_share([mine], h, [])
+    fn, args = ForkingPickler._extra_reducers[torch.Tensor](mine)
+    assert fn is _ipc.open_leaf and args[1:] == (0, "torch") and args[0] is h
+    assert ForkingPickler._extra_reducers[torch.Tensor](other)[0] is not _ipc.open_leaf
+    assert torch.equal(pickle.loads(ForkingPickler.dumps(other)), other)
+    peer.came_from_share([torch.arange(2.0)], h, [])  # wrapped once, not twice
+    wrapped = ForkingPickler._extra_reducers[torch.Tensor]
+    assert getattr(wrapped, "_jax_overlay", False)
