@@ -26,7 +26,7 @@ def a_share(**over):
 
 def test_cpu_array_is_refused_naming_the_alternatives():
     with pytest.raises(BufferError, match=r"\['w'\] is on .*host memory.*pickling.*device_put"):
-        jax_overlay.share({"w": jnp.ones(3)})
+        jax_overlay.share({"w": jax.device_put(jnp.ones(3), jax.devices("cpu")[0])})
 
 
 def test_non_array_leaf_is_a_type_error_naming_the_leaf():

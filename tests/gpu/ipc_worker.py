@@ -40,7 +40,9 @@ def _host(leaf):
 
 def _describe(leaf):
     dev = getattr(leaf, "device", None)
-    return (type(leaf).__module__.split(".")[0], str(leaf.dtype), tuple(leaf.shape), str(dev))
+    lib = type(leaf).__module__.split(".")[0]
+    lib = "jax" if lib in ("jax", "jaxlib") else lib  # jax.Array's type lives in jaxlib
+    return (lib, str(leaf.dtype), tuple(leaf.shape), str(dev))
 
 
 def serve(conn, env=None, framework="jax", queue=None):
@@ -74,17 +76,16 @@ def serve(conn, env=None, framework="jax", queue=None):
             elif op == "drop":
                 held.clear()
                 gc.collect()
-                out = True
+                out = len(jax_overlay._ipc._mappings)  # mappings still alive here
             elif op == "crash":
                 held.append(jax_overlay.open_shared(args[0], framework=framework))
                 conn.send(("ok", "holding"))
                 os._exit(3)
             elif op == "share":  # exporter roles: share a new array of `value`
                 n, value, kw = args
-                x = jax.numpy.full((n,), value, jax.numpy.float32)
-                held.append(x)
-                try:
-                    out = jax_overlay.share(x, **kw)
+                held.append(jax.numpy.full((n,), value, jax.numpy.float32))
+                try:  # no local name holds the array: "forget" must free it
+                    out = jax_overlay.share(held[-1], **kw)
                     held.append(out)  # the exporter's Share: its death would end the share
                 except BufferError as e:
                     out = ("BufferError", str(e))
