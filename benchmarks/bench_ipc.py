@@ -3,7 +3,7 @@
 open_shared + a first read, against the host round trip (device_get,
 pickle, device_put) and against one share per array.  GPU only.
 
-    python benchmarks/bench_ipc.py [--mib 1024] [--arrays 200] [--rounds 5] [--out DIR]
+    python benchmarks/bench_ipc.py [--mib 1024] [--arrays 200] [--rounds 5] [--read jit|eager] [--out DIR]
 
 The exporter is this process; the receiver (JAX, then PyTorch) another.
 Every round runs each method once, alternating, and the receiver times
@@ -31,7 +31,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def receiver(conn, framework):
+def receiver(conn, framework, read="jit"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     sys.path.insert(0, str(ROOT / "tests" / "gpu"))
     import jax
@@ -43,8 +43,16 @@ def receiver(conn, framework):
     if framework == "torch":
         import torch
 
+    # One read of every array: jitted once for JAX (--read jit), or JAX's
+    # eager ops one array at a time (--read eager, 200 dispatches, as the
+    # first committed run did).
+    jit_read = jax.jit(lambda leaves: jnp.sum(jnp.stack([x[0] for x in leaves]))
+                       + jnp.sum(leaves[0]))
+
     def first_read(tree):
         leaves = jax.tree_util.tree_leaves(tree)
+        if framework == "jax" and read == "jit":
+            return float(jit_read(leaves))
         if framework == "torch":
             s = sum(float(t.sum()) for t in leaves[:1]) + float(torch.stack([t[0] for t in leaves]).sum())
             torch.cuda.synchronize()
@@ -90,6 +98,8 @@ def main():
     ap.add_argument("--arrays", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--read", choices=("jit", "eager"), default="jit",
+                    help="how the JAX receiver reads every array first")
     a = ap.parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
@@ -109,7 +119,7 @@ def main():
         except ImportError:
             continue
         conn, child = ctx.Pipe()
-        p = ctx.Process(target=receiver, args=(child, framework), daemon=True)
+        p = ctx.Process(target=receiver, args=(child, framework, a.read), daemon=True)
         p.start()
 
         def run(kind):
@@ -157,7 +167,7 @@ def main():
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     meta = {"gpu": gpu, "jax": jax.__version__, "python": platform.python_version(),
-            "mib": a.mib, "arrays": a.arrays, "rounds": a.rounds}
+            "mib": a.mib, "arrays": a.arrays, "rounds": a.rounds, "read": a.read}
     out = pathlib.Path(a.out) / "ipc.json"
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(json.dumps(meta))
