@@ -5,6 +5,7 @@
     jax_overlay.config.strided_kernel = False # or JAX_OVERLAY_STRIDED_KERNEL=0
     jax_overlay.config.strict_copy = True     # or JAX_OVERLAY_STRICT_COPY=1
     jax_overlay.config.agree_timeout_s = 60.0 # or JAX_OVERLAY_AGREE_TIMEOUT_S=60
+    jax_overlay.config.share_timeout_s = 60.0 # or JAX_OVERLAY_SHARE_TIMEOUT_S=60
 """
 
 from __future__ import annotations
@@ -59,13 +60,19 @@ class Config:
 
     agree_timeout_s: how long ``from_shards`` under ``jax.distributed`` waits
     for every other process's account of its shards before it raises (a
-    process that never calls it, or died): a clear error, never a hang."""
+    process that never calls it, or died): a clear error, never a hang.
+
+    share_timeout_s: how long ``open_shared`` waits for the exporting
+    process to answer (an exporter stopped in a debugger, or whose socket a
+    forked child still holds after the exporter died): a clear error, never
+    a hang."""
 
     cai_sync: bool
     cai_read_only: bool
     strided_kernel: bool
     strict_copy: bool
     agree_timeout_s: float
+    share_timeout_s: float
 
     def __init__(self) -> None:
         self.cai_sync = _flag("JAX_OVERLAY_CAI_SYNC", True)
@@ -73,6 +80,7 @@ class Config:
         self.strided_kernel = _flag("JAX_OVERLAY_STRIDED_KERNEL", True)
         self.strict_copy = _flag("JAX_OVERLAY_STRICT_COPY", False)
         self.agree_timeout_s = _seconds("JAX_OVERLAY_AGREE_TIMEOUT_S", 60.0)
+        self.share_timeout_s = _seconds("JAX_OVERLAY_SHARE_TIMEOUT_S", 60.0)
 
 
 config = Config()

@@ -42,6 +42,7 @@ import numpy as np
 from . import _runtime as rt
 from . import _view
 from . import _xla_ext as ext
+from ._config import config
 from ._dlpack import dtype_code
 from ._view import KDLCUDA
 
@@ -169,6 +170,18 @@ class _Exporter:
         self.pid = None
         self.address = None
         self.streams: dict[int, int] = {}
+        self.server: socket.socket | None = None
+
+    def forked(self):
+        """In a forked child: the parent's socket, connections and entries
+        are the parent's.  Kept open here, the listening socket would
+        accept connections to the parent's address after the parent died,
+        and nobody would answer them."""
+        if self.server is not None:
+            self.server.close()
+        self.server = None
+        self.lock = threading.RLock()  # a lock held mid-fork stays held in the child
+        self.entries, self.pid, self.address = {}, None, None
 
     def start(self):
         with self.lock:
@@ -180,7 +193,7 @@ class _Exporter:
             srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             srv.bind(name)
             srv.listen(64)
-            self.address, self.pid = name, os.getpid()
+            self.address, self.pid, self.server = name, os.getpid(), srv
             threading.Thread(target=self._serve, args=(srv,), name="jax_overlay-share-server",
                              daemon=True).start()
 
@@ -320,6 +333,7 @@ def _free(e: _Entry) -> None:
 
 
 _EXPORTER = _Exporter()
+os.register_at_fork(after_in_child=_EXPORTER.forked)
 
 
 def _leaf_error(path, x):
@@ -529,6 +543,7 @@ def _request(share, need):
     descriptors of its allocations `need`; the open connection is the
     receiver's hold on the share from then on."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(config.share_timeout_s)
     try:
         conn.connect(share.address)
     except OSError as e:
@@ -551,11 +566,20 @@ def _request(share, need):
         if len(fds) != len(need):
             raise BufferError(f"the exporter sent {len(fds)} descriptors for {len(need)} "
                               "allocations")
+    except TimeoutError:
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        raise BufferError(
+            f"the exporting process (pid {share.pid}) did not answer within "
+            f"{config.share_timeout_s} s (jax_overlay.config.share_timeout_s): it is stopped "
+            "or gone; make a new share in a live process") from None
     except BaseException:
         for fd in fds:
             os.close(fd)
         conn.close()
         raise
+    conn.settimeout(None)  # from here on it only marks the hold
     return conn, fds
 
 

@@ -137,3 +137,37 @@ def test_exporter_gone_is_a_clear_error():
     with pytest.raises(BufferError, match="no longer serves its shares"):
         _ipc._request(h2, [0])
     h.release()
+
+
+def test_an_exporter_that_never_answers_is_a_clear_error(monkeypatch):
+    import socket
+    from jax_overlay import config
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    silent.bind("\0jax_overlay-test/silent-" + str(os.getpid()))
+    silent.listen(1)  # accepts into its backlog, never answers
+    monkeypatch.setattr(config, "share_timeout_s", 0.5)
+    h, _ = export([b"x"])
+    h2 = _ipc._rebuild_share({k: getattr(h, k) for k in h.__slots__[:-2]})
+    h2.address = silent.getsockname()
+    t0 = time.monotonic()
+    with pytest.raises(BufferError, match="did not answer within 0.5 s"):
+        _ipc._request(h2, [0])
+    assert time.monotonic() - t0 < 10
+    silent.close()
+    h.release()
+
+
+def _child_state(out):
+    out.put((_ipc._EXPORTER.server is None, _ipc._EXPORTER.address, len(_ipc._EXPORTER.entries)))
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning", "ignore:This process:DeprecationWarning")
+def test_a_forked_child_lets_the_parents_socket_go():
+    h, _ = export([b"x"])  # the server runs in this process
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=_child_state, args=(out,))
+    p.start()
+    assert out.get(timeout=60) == (True, None, 0)
+    p.join(30)
+    h.release()
