@@ -68,6 +68,7 @@ struct Table {
 };
 
 Table g_cu;
+void* g_lib = nullptr;
 std::once_flag g_load_once;
 std::atomic<bool> g_loaded{false};
 std::string g_load_error;
@@ -126,16 +127,8 @@ void LoadOnce() {
                    "; no usable GPU is visible to this process";
     return;
   }
+  g_lib = lib;
   g_loaded.store(true, std::memory_order_release);
-}
-
-std::string Describe(CUresult r) {
-  const char* name = nullptr;
-  const char* text = nullptr;
-  if (g_cu.GetErrorName) g_cu.GetErrorName(r, &name);
-  if (g_cu.GetErrorString) g_cu.GetErrorString(r, &text);
-  return std::string(name ? name : "CUDA error") + " (" + std::to_string(r) +
-         (text ? std::string(": ") + text : std::string()) + ")";
 }
 
 bool DriverFail(Error* err, const std::string& what, CUresult r) {
@@ -202,12 +195,6 @@ class ScopedContext {
   bool pushed_ = false;
 };
 
-std::string Hex(uintptr_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
 std::string StreamName(uintptr_t s) {
   if (s == kLegacyStream) return "1 (legacy default stream)";
   if (s == kPerThreadStream) return "2 (per-thread default stream)";
@@ -223,6 +210,25 @@ bool Load(Error* err) {
 }
 
 bool Loaded() { return g_loaded.load(std::memory_order_acquire); }
+
+void* Symbol(const char* name) {
+  return Loaded() ? dlsym(g_lib, name) : nullptr;
+}
+
+std::string Describe(int r) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (g_cu.GetErrorName) g_cu.GetErrorName(r, &name);
+  if (g_cu.GetErrorString) g_cu.GetErrorString(r, &text);
+  return std::string(name ? name : "CUDA error") + " (" + std::to_string(r) +
+         (text ? std::string(": ") + text : std::string()) + ")";
+}
+
+std::string Hex(uintptr_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
 
 bool QueryPointer(uintptr_t ptr, PointerInfo* out, Error* err) {
   if (!Load(err)) return false;

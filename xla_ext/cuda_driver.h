@@ -35,6 +35,17 @@ bool Load(Error* err);
 // True once Load succeeded; never loads by itself.
 bool Loaded();
 
+// The driver's entry point `name`, or nullptr (before a successful Load
+// too): for the files that declare the entry points of their own concern
+// (ipc.cc) beside the ones this file needs.
+void* Symbol(const char* name);
+
+// The driver's words for a result, "NAME (code: text)", for messages.
+std::string Describe(int result);
+
+// A pointer as 0x..., for messages.
+std::string Hex(uintptr_t v);
+
 bool QueryPointer(uintptr_t ptr, PointerInfo* out, Error* err);
 
 // Makes `consumer` wait on the GPU for everything already enqueued on

@@ -1,8 +1,5 @@
 #include "ipc.h"
 
-#include <dlfcn.h>
-
-#include <cstdio>
 #include <cstring>
 #include <mutex>
 
@@ -89,7 +86,6 @@ struct Table {
   CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
   CUresult (*MemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*CtxSynchronize)();
-  CUresult (*GetErrorName)(CUresult, const char**);
 };
 
 Table g_cu;
@@ -98,41 +94,37 @@ bool g_ok = false;
 std::string g_why;
 
 template <typename F>
-bool Sym(void* lib, const char* name, F* out) {
-  *out = reinterpret_cast<F>(dlsym(lib, name));
+bool Sym(const char* name, F* out) {
+  *out = reinterpret_cast<F>(cuda::Symbol(name));
   return *out != nullptr;
 }
 
 void LoadOnce() {
-  // cuda::Load has opened the library: this only looks the symbols up.
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-  g_ok = lib &&
-         Sym(lib, "cuPointerGetAttribute", &g_cu.PointerGetAttribute) &&
-         Sym(lib, "cuMemRetainAllocationHandle", &g_cu.RetainAllocationHandle) &&
-         Sym(lib, "cuMemExportToShareableHandle", &g_cu.ExportToShareableHandle) &&
-         Sym(lib, "cuMemImportFromShareableHandle", &g_cu.ImportFromShareableHandle) &&
-         Sym(lib, "cuMemRelease", &g_cu.Release) &&
-         Sym(lib, "cuMemCreate", &g_cu.Create) &&
-         Sym(lib, "cuMemGetAllocationGranularity", &g_cu.GetGranularity) &&
-         Sym(lib, "cuMemGetAllocationPropertiesFromHandle", &g_cu.GetPropertiesFromHandle) &&
-         Sym(lib, "cuMemAddressReserve", &g_cu.AddressReserve) &&
-         Sym(lib, "cuMemAddressFree", &g_cu.AddressFree) &&
-         Sym(lib, "cuMemMap", &g_cu.Map) &&
-         Sym(lib, "cuMemUnmap", &g_cu.Unmap) &&
-         Sym(lib, "cuMemSetAccess", &g_cu.SetAccess) &&
-         Sym(lib, "cuDeviceGet", &g_cu.DeviceGet) &&
-         Sym(lib, "cuDeviceGetUuid", &g_cu.DeviceGetUuid) &&
-         Sym(lib, "cuStreamCreate", &g_cu.StreamCreate) &&
-         Sym(lib, "cuEventCreate", &g_cu.EventCreate) &&
-         Sym(lib, "cuEventRecord", &g_cu.EventRecord) &&
-         Sym(lib, "cuEventQuery", &g_cu.EventQuery) &&
-         Sym(lib, "cuEventDestroy_v2", &g_cu.EventDestroy) &&
-         Sym(lib, "cuIpcGetEventHandle", &g_cu.IpcGetEventHandle) &&
-         Sym(lib, "cuIpcOpenEventHandle", &g_cu.IpcOpenEventHandle) &&
-         Sym(lib, "cuStreamWaitEvent", &g_cu.StreamWaitEvent) &&
-         Sym(lib, "cuMemcpyDtoDAsync_v2", &g_cu.MemcpyDtoDAsync) &&
-         Sym(lib, "cuCtxSynchronize", &g_cu.CtxSynchronize) &&
-         Sym(lib, "cuGetErrorName", &g_cu.GetErrorName);
+  g_ok = Sym("cuPointerGetAttribute", &g_cu.PointerGetAttribute) &&
+         Sym("cuMemRetainAllocationHandle", &g_cu.RetainAllocationHandle) &&
+         Sym("cuMemExportToShareableHandle", &g_cu.ExportToShareableHandle) &&
+         Sym("cuMemImportFromShareableHandle", &g_cu.ImportFromShareableHandle) &&
+         Sym("cuMemRelease", &g_cu.Release) &&
+         Sym("cuMemCreate", &g_cu.Create) &&
+         Sym("cuMemGetAllocationGranularity", &g_cu.GetGranularity) &&
+         Sym("cuMemGetAllocationPropertiesFromHandle", &g_cu.GetPropertiesFromHandle) &&
+         Sym("cuMemAddressReserve", &g_cu.AddressReserve) &&
+         Sym("cuMemAddressFree", &g_cu.AddressFree) &&
+         Sym("cuMemMap", &g_cu.Map) &&
+         Sym("cuMemUnmap", &g_cu.Unmap) &&
+         Sym("cuMemSetAccess", &g_cu.SetAccess) &&
+         Sym("cuDeviceGet", &g_cu.DeviceGet) &&
+         Sym("cuDeviceGetUuid", &g_cu.DeviceGetUuid) &&
+         Sym("cuStreamCreate", &g_cu.StreamCreate) &&
+         Sym("cuEventCreate", &g_cu.EventCreate) &&
+         Sym("cuEventRecord", &g_cu.EventRecord) &&
+         Sym("cuEventQuery", &g_cu.EventQuery) &&
+         Sym("cuEventDestroy_v2", &g_cu.EventDestroy) &&
+         Sym("cuIpcGetEventHandle", &g_cu.IpcGetEventHandle) &&
+         Sym("cuIpcOpenEventHandle", &g_cu.IpcOpenEventHandle) &&
+         Sym("cuStreamWaitEvent", &g_cu.StreamWaitEvent) &&
+         Sym("cuMemcpyDtoDAsync_v2", &g_cu.MemcpyDtoDAsync) &&
+         Sym("cuCtxSynchronize", &g_cu.CtxSynchronize);
   if (!g_ok) {
     g_why = "the NVIDIA driver lacks the virtual memory management or IPC "
             "entry points that sharing GPU memory between processes needs "
@@ -150,18 +142,10 @@ bool Enter(int ordinal, cuda::DeviceScope* scope, Error* err) {
 }
 
 bool DriverFail(Error* err, const std::string& what, CUresult r) {
-  const char* name = nullptr;
-  if (g_cu.GetErrorName) g_cu.GetErrorName(r, &name);
-  return Fail(err, ErrorKind::kBuffer,
-              what + " failed: " + (name ? name : "CUDA error") + " (" +
-                  std::to_string(r) + ")");
+  return Fail(err, ErrorKind::kBuffer, what + " failed: " + cuda::Describe(r));
 }
 
-std::string Hex(uintptr_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
+using cuda::Hex;
 
 template <typename T>
 bool Attr(uintptr_t ptr, int attr, T* out) {
