@@ -49,7 +49,6 @@ from ._view import KDLCUDA
 # Bumped when a Share's fields or the socket protocol change: a receiver
 # refuses another version by name instead of misreading it.
 SHARE_VERSION = 1
-_HANDLE_POSIX_FD = 1  # CUmemAllocationHandleType bit
 _ALIGN = 256          # each array's offset in a copy=True allocation
 _FDS_PER_MESSAGE = 200  # under the kernel's SCM_MAX_FD (253)
 
@@ -211,23 +210,16 @@ class _Exporter:
         return sid
 
     def release(self, sid):
-        with self.lock:
-            e = self.entries.get(sid)
-            if e is None or e.released:
-                return
-            e.released = True
-            e.holds -= 1
-            dead = e.holds == 0
-            if dead:
-                del self.entries[sid]
-        if dead:
-            _free(e)
+        """The exporter's own hold ends (once): no new opens."""
+        self._drop(sid, release=True)
 
-    def _drop(self, sid):
+    def _drop(self, sid, release=False):
+        """One hold on share `sid` ends; the last one frees it."""
         with self.lock:
             e = self.entries.get(sid)
-            if e is None:
+            if e is None or (release and e.released):
                 return
+            e.released = e.released or release
             e.holds -= 1
             dead = e.holds == 0
             if dead:
@@ -449,7 +441,7 @@ def _share(tree, *, copy, once):
                 continue
             a = ext.allocation_of(ordinal, p)
             base, size, block = a.base, a.size, a.block_id
-            if not a.handle_types & _HANDLE_POSIX_FD:
+            if not a.handle_types & ext.HANDLE_POSIX_FD:
                 raise BufferError(
                     f"{jax.tree_util.keystr(path)}: XLA's allocator gave this buffer memory "
                     "that cannot be exported as a file descriptor (XLA's cuda_async "

@@ -171,6 +171,7 @@ FLAG_READ_ONLY: int
 FLAG_IS_COPIED: int
 TESTING: bool
 GPU_ALIGNMENT: int
+HANDLE_POSIX_FD: int
 
 # What the module was built from (jax_overlay/_version.py, xla_ext/build_info.py).
 VERSION: str

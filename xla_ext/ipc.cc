@@ -43,7 +43,6 @@ constexpr CUresult kSuccess = 0;
 constexpr CUresult kNotReady = 600;
 constexpr int kLocationDevice = 1;
 constexpr int kAllocationPinned = 1;
-constexpr int kHandlePosixFd = 1;
 constexpr int kAccessReadWrite = 3;
 constexpr int kGranularityMinimum = 0;
 constexpr unsigned kStreamNonBlocking = 1;

@@ -18,6 +18,9 @@ namespace jxo::ipc {
 
 constexpr size_t kEventHandleBytes = 64;  // CUipcEventHandle
 constexpr size_t kUuidBytes = 16;         // CUuuid
+// The CUmemAllocationHandleType bit of POSIX file descriptors, the one
+// handle type shares use (Allocation::handle_types).
+constexpr int kHandlePosixFd = 1;
 
 // The allocation (one cuMemMap'ed physical allocation) holding a pointer.
 struct Allocation {

@@ -707,6 +707,7 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.attr("FLAG_IS_COPIED") = dl::kFlagIsCopied;
   // The one statement of the rule; Python reads it from here.
   m.attr("GPU_ALIGNMENT") = kGpuAlignment;
+  m.attr("HANDLE_POSIX_FD") = ipc::kHandlePosixFd;
 
   // What this module was built from, compared at import with the Python
   // package and the running jaxlib (jax_overlay/_native.py).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+from .._dlpack import KDLCUDA
 from . import register
 from ._base import GpuAdapter, Peer
 
@@ -59,7 +60,7 @@ class _Capsule:
         return self.capsule
 
     def __dlpack_device__(self):
-        return (2, self.ordinal)  # kDLCUDA
+        return (KDLCUDA, self.ordinal)
 
 
 class Foreign(GpuAdapter):
