@@ -43,9 +43,11 @@ tarball() { tar -czf "${OUT:-.}/all.tgz.tmp" -C "$O" . && mv "${OUT:-.}/all.tgz.
 trap tarball EXIT
 case "${1:-}" in
 1)
-  # The GPU fuzz slice runs in step 4: this call's 270 s are nearly spent without it.
-  DOCTOR=1 TEST_TIMEOUT=${TEST_TIMEOUT:-270} DOCTOR_TIMEOUT=100 NUMBA_NUMPY_WHEEL=$W OUT=$O \
+  # The GPU fuzz slice runs in step 4 and the interprocess suite (2 minutes) in
+  # step 5: this call's 270 s are nearly spent without them.
+  DOCTOR=${DOCTOR:-1} TEST_TIMEOUT=${TEST_TIMEOUT:-270} DOCTOR_TIMEOUT=100 NUMBA_NUMPY_WHEEL=$W OUT=$O \
     bash tools/gpu_suite.sh tests/gpu --ignore=tests/gpu/test_fuzz_dropin_gpu.py \
+    --ignore=tests/gpu/test_ipc_gpu.py \
     tests/cpu/test_dropin_torch.py tests/cpu/test_foreign_torch.py >"$O/suite.txt" 2>&1
   echo "suite exit status $?" | tee -a "$O/suite.txt"; tarball
   grep -E "passed|failed" "$O/suite.txt" | tail -4
@@ -116,7 +118,7 @@ case "${1:-}" in
 5)
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/ipc-gpu.txt"
   timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 tests/gpu/test_ipc_gpu.py \
-    tests/cpu/test_ipc.py >>"$O/ipc-gpu.txt" 2>&1
+    tests/cpu/test_ipc.py tests/cpu/test_ipc_leases.py >>"$O/ipc-gpu.txt" 2>&1
   echo "ipc tests exit status $?" | tee -a "$O/ipc-gpu.txt"; tail -30 "$O/ipc-gpu.txt"; tarball
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 "$PY" -m pytest -q -p no:cacheprovider \
     tests/gpu/test_dlpack_import_gpu.py -k host_directly >"$O/hostread.txt" 2>&1
