@@ -6,6 +6,7 @@
     jax_overlay.config.strict_copy = True     # or JAX_OVERLAY_STRICT_COPY=1
     jax_overlay.config.agree_timeout_s = 60.0 # or JAX_OVERLAY_AGREE_TIMEOUT_S=60
     jax_overlay.config.share_timeout_s = 60.0 # or JAX_OVERLAY_SHARE_TIMEOUT_S=60
+    jax_overlay.config.saved_graphs = 16      # or JAX_OVERLAY_SAVED_GRAPHS=16
 """
 
 from __future__ import annotations
@@ -22,6 +23,19 @@ def _flag(name: str, default: bool) -> bool:
     if value.lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name}={value!r}: use 1 or 0")
+
+
+def _count(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"{name}={value!r}: use a whole number, 0 or more")
+    return count
 
 
 def _seconds(name: str, default: float) -> float:
@@ -65,7 +79,14 @@ class Config:
     share_timeout_s: how long ``open_shared`` waits for the exporting
     process to answer (an exporter stopped in a debugger, or whose socket a
     forked child still holds after the exporter died): a clear error, never
-    a hang."""
+    a hang.
+
+    saved_graphs: how many forward graphs one ``foreign(...,
+    vjp="autograd")`` function keeps for backward calls that have not run
+    yet (each holds the activations its backward needs).  A backward runs
+    its own graph and releases it; past this many waiting (forwards whose
+    backward never comes), the oldest is released, and its backward, if it
+    comes after all, runs ``fn`` again.  0 keeps none."""
 
     cai_sync: bool
     cai_read_only: bool
@@ -73,6 +94,7 @@ class Config:
     strict_copy: bool
     agree_timeout_s: float
     share_timeout_s: float
+    saved_graphs: int
 
     def __init__(self) -> None:
         self.cai_sync = _flag("JAX_OVERLAY_CAI_SYNC", True)
@@ -81,6 +103,7 @@ class Config:
         self.strict_copy = _flag("JAX_OVERLAY_STRICT_COPY", False)
         self.agree_timeout_s = _seconds("JAX_OVERLAY_AGREE_TIMEOUT_S", 60.0)
         self.share_timeout_s = _seconds("JAX_OVERLAY_SHARE_TIMEOUT_S", 60.0)
+        self.saved_graphs = _count("JAX_OVERLAY_SAVED_GRAPHS", 16)
 
 
 config = Config()

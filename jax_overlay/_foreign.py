@@ -251,7 +251,8 @@ def _aliases(given, in_leaves, out_leaves):
 def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
             vjp: Callable[..., Any] | str | None = None, vmap_method: str | None = None,
             out: bool = False,
-            input_output_aliases: dict[int, int] | None = None) -> Callable[..., Any]:
+            input_output_aliases: dict[int, int] | None = None,
+            recompute: bool = False) -> Callable[..., Any]:
     """``fn`` as a JAX function that runs inside ``jax.jit``, eagerly, under
     ``jax.vmap`` and, given ``vjp``, under ``jax.grad``.
 
@@ -273,7 +274,15 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
       cotangents (a tuple, one per input); it is run as a second foreign
       call through ``jax.custom_vjp``, the inputs kept as the residuals.
       ``vjp="autograd"`` (``framework="torch"``): PyTorch's autograd of
-      ``fn`` computes them, inside that second call.
+      ``fn`` computes them.  The forward call keeps its autograd graph for
+      the backward call (which reads back which graph is its own: on the
+      GPU an 8-byte read that waits for XLA's stream), so ``fn`` runs once
+      per step; up to ``jax_overlay.config.saved_graphs`` graphs wait per
+      function.  ``recompute=True`` keeps nothing: the backward call runs
+      ``fn`` again under autograd, with no read (as with ``vmap_method``
+      ``"expand_dims"``/``"broadcast_all"``, where it is always so).
+      Either way PyTorch differentiates only the inputs JAX differentiates
+      (``argnums``); the others get zeros, which XLA drops if unused.
     * ``vmap_method``: as for ``jax.pure_callback`` (``"sequential"``,
       ``"expand_dims"``, ``"broadcast_all"``).
     * ``input_output_aliases``: ``{input: output}`` over the flat leaves
@@ -302,6 +311,12 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
             "for autograd (fn's outputs are then copied into XLA's), or pass a vjp function")
     if vjp is not None and not isinstance(vjp, str) and not callable(vjp):
         raise TypeError(f"vjp must be callable, 'autograd' or None, got {type(vjp).__qualname__}")
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be True or False, got {type(recompute).__qualname__}")
+    if recompute and vjp != "autograd":
+        raise ValueError(
+            f"recompute=True chooses how vjp='autograd' finds the forward's graph (it runs fn "
+            f"again in the backward call); with vjp={vjp!r} there is no graph: drop recompute")
 
     @functools.lru_cache(maxsize=64)
     def _compiled(in_tree, out_spec_key, aliases):
@@ -334,9 +349,11 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         return functools.wraps(fn)(call)
 
     if vjp == "autograd":
-        backward_fn = peer.autograd(fn)
-    else:
-        backward_fn = _one_per_input(vjp)
+        saved = not recompute and vmap_method in (None, "sequential", "sequential_unrolled")
+        return functools.wraps(fn)(_with_autograd(
+            call, peer.autograd(fn), framework, result_shape_dtypes, vmap_method, saved))
+
+    backward_fn = _one_per_input(vjp)
 
     def vjp_spec(*args):
         return tuple(args[:-1])  # one cotangent per input, shaped as it
@@ -355,6 +372,103 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
 
     differentiable.defvjp(fwd, bwd)
     return functools.wraps(fn)(differentiable)
+
+
+# The forward's ticket, as an output XLA keeps for the backward: 64 bits
+# as two int32 words (JAX without x64 has no 64-bit integers).
+_TICKET = jax.ShapeDtypeStruct((2,), np.int32)
+
+
+def _with_autograd(call, autograd, framework, result_shape_dtypes, vmap_method, saved):
+    """vjp="autograd": the framework's autograd (`autograd`, its peer's
+    object) differentiates fn for the inputs JAX differentiates, and no
+    others (``custom_vjp``'s symbolic zeros say which: an input outside
+    ``argnums`` costs no gradient).  Saved: under differentiation the
+    forward is a foreign call of ``autograd.forward``, which keeps fn's
+    graph and also returns its ticket, and the backward call
+    (``autograd.backward``) gets the inputs, the ticket and the cotangent.
+    Else the forward is `call` and the backward ``autograd.recompute``.
+    Undifferentiated calls are `call` itself: no graph is recorded."""
+    from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+    if callable(result_shape_dtypes) and not hasattr(result_shape_dtypes, "shape"):
+        def forward_spec(*specs):
+            return result_shape_dtypes(*specs), _TICKET
+    else:
+        def forward_spec(*specs):
+            return result_shape_dtypes, _TICKET
+    made: dict = {}
+
+    def calls(need):
+        """(forward, backward) foreign functions for the inputs `need` marks."""
+        got = made.get(need)
+        if got is None:
+            def wanted(*specs):  # the needed input leaves, flat
+                leaves = jax.tree_util.tree_leaves(specs[:-2] if saved else specs[:-1])
+                return [x for x, n in zip(leaves, need) if n]
+            backward = foreign(functools.partial(
+                autograd.backward if saved else autograd.recompute, need),
+                framework=framework, result_shape_dtypes=wanted, vmap_method=vmap_method)
+            forward = (foreign(functools.partial(autograd.forward, need), framework=framework,
+                               result_shape_dtypes=forward_spec, vmap_method=vmap_method)
+                       if saved else None)
+            got = made[need] = (forward, backward)
+        return got
+
+    @jax.custom_vjp
+    def differentiable(*args):
+        return call(*args)
+
+    def fwd(*primals):
+        leaves, tree = jax.tree_util.tree_flatten(
+            primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+        args = jax.tree_util.tree_unflatten(tree, [p.value for p in leaves])
+        need = tuple(bool(p.perturbed) and jax.numpy.issubdtype(
+            jax.numpy.result_type(p.value), jax.numpy.inexact) for p in leaves)
+        if not any(need):
+            return call(*args), (args, need, None)
+        forward, _ = calls(need)
+        if forward is None:
+            return call(*args), (args, need, None)
+        outs, ticket = forward(*args)
+        return outs, (args, need, ticket)  # the inputs (JAX arrays) and the ticket
+
+    def bwd(residuals, cotangent):
+        args, need, ticket = residuals
+        cotangent = jax.tree_util.tree_map(
+            _instantiate, cotangent, is_leaf=lambda x: isinstance(x, SymbolicZero))
+        got = iter(())
+        if any(need):
+            _, backward = calls(need)
+            got = iter(backward(*args, ticket, cotangent) if ticket is not None
+                       else backward(*args, cotangent))
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        # An input JAX does not differentiate gets zeros, which XLA drops
+        # unless they are used; an integer one float0.
+        return tuple(jax.tree_util.tree_unflatten(tree, [
+            next(got) if n else _zero_cotangent(x) for x, n in zip(leaves, need)]))
+
+    differentiable.defvjp(fwd, bwd, symbolic_zeros=True)
+    differentiable.saved = autograd  # type: ignore[attr-defined]
+    return differentiable
+
+
+def _instantiate(c):
+    """A symbolic zero cotangent as an array (the framework's autograd takes
+    arrays)."""
+    from jax.custom_derivatives import SymbolicZero
+    if not isinstance(c, SymbolicZero):
+        return c
+    if c.dtype == jax.dtypes.float0:
+        return np.zeros(c.shape, jax.dtypes.float0)
+    return jax.numpy.zeros(c.shape, c.dtype)
+
+
+def _zero_cotangent(x):
+    dtype = jax.numpy.result_type(x)
+    if jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+        return jax.numpy.zeros(np.shape(x), dtype)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 # vmap_method values jax.pure_callback and buffer_callback take.

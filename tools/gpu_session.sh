@@ -27,6 +27,10 @@
 #                                 the host-read in-flight import test, the
 #                                 driver's facts (benchmarks/probe_ipc.py) and
 #                                 benchmarks/bench_ipc.py
+#   bash tools/gpu_session.sh 6   foreign autograd with saved graphs:
+#                                 tests/gpu/test_foreign_saved_graph_gpu.py,
+#                                 the autograd tests of test_foreign_gpu.py,
+#                                 benchmarks/bench_train_step.py
 #   bash tools/gpu_session.sh 4 K the long run only, from case 10^6 K, for
 #                                 about 8 minutes (K = 1, 2, ... until the
 #                                 JSONs add up to 10^5 cases or more)
@@ -59,7 +63,7 @@ case "${1:-}" in
     >"$O/release.txt" 2>&1
   echo "release probe exit status $?"; cat "$O/release.txt"
   ;;
-2|3|4|5)
+2|3|4|5|6)
   JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
   export PYTHONPATH=$PWD
   ;;&
@@ -128,5 +132,21 @@ case "${1:-}" in
   timeout 120 "$PY" benchmarks/bench_ipc.py --rounds "${ROUNDS:-5}" --out "$O" >"$O/ipc-bench.txt" 2>&1
   echo "ipc bench exit status $?"; cat "$O/ipc-bench.txt"; tail -c 1500 "$O/ipc-facts.txt"
   ;;
-*) echo "usage: $0 1|2|3|4|5 [K]" >&2; exit 2 ;;
+6)
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/saved-graph-tests.txt"
+  timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 \
+    tests/gpu/test_foreign_saved_graph_gpu.py tests/cpu/test_foreign_saved_graph.py \
+    tests/gpu/test_foreign_gpu.py::test_torch_autograd_vjp_matches_jax_grad \
+    tests/gpu/test_foreign_gpu.py::test_steps_of_a_scan_read_the_step_before >>"$O/saved-graph-tests.txt" 2>&1
+  echo "saved graph tests exit status $?" | tee -a "$O/saved-graph-tests.txt"
+  tail -20 "$O/saved-graph-tests.txt"; tarball
+  # The small model (host-bound), then a large one (GPU-bound, 20 steps a timing).
+  timeout 60 "$PY" benchmarks/bench_train_step.py --rounds "${ROUNDS:-5}" --calls 100 --out "$O" \
+    >"$O/train-step.log" 2>&1
+  echo "train step bench exit status $?"; tarball
+  timeout 60 "$PY" benchmarks/bench_train_step.py --rounds "${ROUNDS:-5}" --calls 20 \
+    --shape 16384,1024,4096 --out "$O" >>"$O/train-step.log" 2>&1
+  echo "large train step bench exit status $?"; grep -v Warning "$O/train-step.log" | tail -20
+  ;;
+*) echo "usage: $0 1|2|3|4|5|6 [K]" >&2; exit 2 ;;
 esac

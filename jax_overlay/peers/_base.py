@@ -31,8 +31,13 @@ class Peer:
     # (no adapter).
     runs_on: str | None | bool = False
 
-    # fn -> the backward of fn by the library's own autodiff, as a foreign
-    # function of this framework (foreign(vjp="autograd")); None: it has none.
+    # fn -> fn differentiated by the library's own autodiff
+    # (foreign(vjp="autograd")), an object whose methods are foreign
+    # functions of this framework, each first given `need` (per flat input
+    # leaf, whether JAX wants its cotangent): forward(need, *inputs) ->
+    # (outputs, ticket), keeping fn's graph; backward(need, *inputs, ticket,
+    # cotangent) and recompute(need, *inputs, cotangent) (fn run again) ->
+    # the needed cotangents, flat.  None: the library has no autodiff.
     autograd: Any = None
 
     def owns(self, t: type) -> bool:

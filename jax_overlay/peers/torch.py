@@ -9,12 +9,17 @@ CUDA and CPU tensors, and ``vjp="autograd"``."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import secrets
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 from .. import _xla_ext as ext
+from .._config import config
 from .._dlpack import KDLCPU
 from ..errors import ForeignError, JaxRuntimeError, LayoutCopyRequiredError, like_stock
 from . import register
@@ -124,7 +129,7 @@ class Torch(Peer):
 
     @staticmethod
     def autograd(fn):
-        return autograd_vjp(fn)
+        return Autograd(fn)
 
 
 @functools.cache
@@ -283,31 +288,195 @@ def _in_a_share(t):
     return start in _mapped
 
 
-def autograd_vjp(fn: Any):
-    """The backward of ``fn`` by PyTorch's autograd, as a foreign function
-    of framework "torch": (inputs..., cotangent) -> one cotangent per input."""
+def _grads(torch, flat, need, outs, cts, wrt):
+    """PyTorch's gradients of `outs` (tensors or gradient edges, None where
+    no gradient flows) for the needed inputs (`wrt`, one per True in
+    `need`), flat; zeros where none flows (an input fn does not use)."""
+    pairs = [(o, c) for o, c in zip(outs, cts) if o is not None]
+    grads: list = [None] * len(wrt)
+    if pairs and wrt:
+        grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs],
+                                         allow_unused=True))
+    needed = [t for t, n in zip(flat, need) if n]
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(needed, grads)]
 
-    def backward(*args):
+
+class _InputRef:
+    """A tensor the forward's graph saved that views one of the call's
+    inputs (XLA's memory, valid for that call only): kept as where it lies
+    in input `i`, and read from the backward call's view of the same input
+    (the residual JAX keeps for it)."""
+    __slots__ = ("i", "offset", "shape", "stride")
+
+    def __init__(self, i, t):
+        self.i, self.offset, self.shape, self.stride = i, t.storage_offset(), t.shape, t.stride()
+
+
+class _Graph:
+    """One forward's autograd graph, as the backward call needs it: gradient
+    edges (no tensors) of its outputs, its differentiated input leaves
+    (over a stand-in, not XLA's memory), and
+    the views its saved input references read (set for the backward call
+    only)."""
+    __slots__ = ("outs", "wrt", "ct_shapes", "views")
+
+    def __init__(self, outs, wrt, ct_shapes):
+        self.outs, self.wrt, self.ct_shapes = outs, wrt, ct_shapes
+        self.views: list = []
+
+
+class Autograd:
+    """``vjp="autograd"``: PyTorch's autograd of ``fn``, for the inputs JAX
+    differentiates (`need`).  By default without running ``fn`` twice: the
+    forward call runs ``fn`` once under autograd and keeps its graph, and
+    the backward call runs PyTorch's backward of that graph.  ``recompute``
+    runs ``fn`` again under autograd in the backward call instead
+    (``foreign(..., recompute=True)``, batched ``vmap_method``s, and a
+    ticket whose graph is gone).
+
+    Which graph: the forward writes a ticket (64 bits, a counter from a
+    random start) into an extra output that JAX keeps as a residual, and the
+    backward reads it back.  Buffer addresses, call order or call sites
+    cannot name the forward safely (XLA may move a residual into memory a
+    dropped one had, run backward calls in any order, or call one backward
+    several times), and a ticket read can: on the GPU it is an 8-byte read
+    that waits for XLA's stream (a synchronisation, as ``.item()`` in
+    ``fn`` would be).  A ticket with no graph (the graph already used, or
+    evicted) falls back to running ``fn`` again: never a wrong graph.
+
+    Lifetime: the graph holds no view of XLA's memory.  Tensors it saves
+    that view an input are kept as references (``_InputRef``) and read from
+    the backward call's views of the same inputs; the input leaves' data is
+    replaced by a one-element stand-in, since their gradient nodes hold
+    them.  A graph is released when its backward runs, or when more than
+    ``config.saved_graphs`` graphs of this function wait (a forward whose
+    backward JAX never runs: ``jax.vjp`` not followed, XLA eliminating an
+    unused gradient): then the oldest goes, and its backward, if it ever
+    comes, runs ``fn`` again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.graphs: OrderedDict[int, _Graph] = OrderedDict()
+        self.lock = threading.Lock()
+        # A random start: a buffer that never held a ticket reads as one
+        # of this process's tickets with odds of about 2**-62.
+        self.tickets = itertools.count(secrets.randbits(62) + 1)
+        self.stand_ins: dict = {}
+
+    def waiting(self):
+        """How many forward graphs wait for their backward call."""
+        return len(self.graphs)
+
+    def stand_in(self, t):
+        """A tensor with `t`'s dtype, device and shape over one element of
+        PyTorch's memory (expanded, never written)."""
+        key = (t.dtype, t.device)
+        one = self.stand_ins.get(key)
+        if one is None:
+            import torch
+            one = self.stand_ins[key] = torch.zeros((), dtype=t.dtype, device=t.device)
+        return one.expand(t.shape)
+
+    def recompute(self, need, *args):
+        """(inputs..., cotangent) -> the needed inputs' cotangents, flat: fn
+        run again under autograd."""
         import torch
         from jax import tree_util
         *inputs, cotangent = args
         flat, tree = tree_util.tree_flatten(tuple(inputs))
-        diff = [t.is_floating_point() or t.is_complex() for t in flat]
-        leaves = [t.detach().requires_grad_(True) if d else t for t, d in zip(flat, diff)]
+        leaves = [t.detach().requires_grad_(True) if n else t for t, n in zip(flat, need)]
         with torch.enable_grad():
-            outs = tree_util.tree_leaves(fn(*tree_util.tree_unflatten(tree, leaves)))
-            cts = tree_util.tree_leaves(cotangent)
-            pairs = [(o, c) for o, c in zip(outs, cts) if o.requires_grad]
-            wrt = [t for t, d in zip(leaves, diff) if d]
-            grads = [None] * len(wrt)
-            if pairs and wrt:
-                grads = list(torch.autograd.grad([o for o, _ in pairs], wrt,
-                                                 [c for _, c in pairs], allow_unused=True))
-        # No gradient (an input fn does not use, or an integer one): zeros.
-        result = [(grads.pop(0) if d else None) for d in diff]
-        result = [torch.zeros_like(t) if g is None else g for t, g in zip(flat, result)]
-        return tuple(tree_util.tree_unflatten(tree, result))
-    return backward
+            outs = tree_util.tree_leaves(self.fn(*tree_util.tree_unflatten(tree, leaves)))
+            outs = [o if isinstance(o, torch.Tensor) and o.requires_grad else None
+                    for o in outs]
+            return _grads(torch, flat, need, outs, tree_util.tree_leaves(cotangent),
+                          [t for t, n in zip(leaves, need) if n])
+
+    def forward(self, need, *inputs):
+        """(fn's outputs, ticket)."""
+        import torch
+        from jax import tree_util
+        flat, tree = tree_util.tree_flatten(tuple(inputs))
+        leaves = [t.detach().requires_grad_(True) if n else t for t, n in zip(flat, need)]
+        # The storage of each input view: a saved tensor over one of them is
+        # XLA's memory (only ints here: the graph keeps these hooks).
+        bases = {}
+        for i, t in enumerate(flat):
+            if t.numel():
+                bases.setdefault(t.untyped_storage().data_ptr(), (i, t.dtype))
+
+        def pack(t):
+            if not t.numel():
+                return t
+            hit = bases.get(t.untyped_storage().data_ptr())
+            if hit is None:
+                # PyTorch's own memory: the graph holds it.  Detached: an
+                # op's saved output, kept with its grad_fn, would be a cycle
+                # (node -> tensor -> node) that outlives a graph dropped
+                # unused; the backward needs the values only.
+                return t.detach() if t.requires_grad else t
+            if hit[1] != t.dtype:
+                return t.clone()  # a reinterpreting view: its own copy
+            return _InputRef(hit[0], t)
+
+        graph_views: list = []
+
+        def unpack(p):
+            if type(p) is _InputRef:
+                return graph_views[0][p.i].as_strided(p.shape, p.stride, p.offset)
+            return p
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            got = self.fn(*tree_util.tree_unflatten(tree, leaves))
+        outs, out_tree = tree_util.tree_flatten(got)
+        edge = torch.autograd.graph.get_gradient_edge
+        out_edges = [edge(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+                     for o in outs]
+        # The input leaves themselves (their data swapped out below): cheaper
+        # than their gradient edges, and their nodes hold them anyway.
+        wrt = [t for t, n in zip(leaves, need) if n]
+        ct_shapes = [tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in outs]
+        # Values for XLA's outputs: detached, so that an output that is an
+        # input leaf (fn = identity) keeps its values past the swap below.
+        values = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
+        for t, n in zip(leaves, need):
+            if n:
+                # Its gradient node holds the leaf: no longer XLA's memory.
+                t.data = self.stand_in(t)
+        graph = _Graph(out_edges, wrt, ct_shapes)
+        graph.views = graph_views
+        ticket = next(self.tickets)
+        with self.lock:
+            self.graphs[ticket] = graph
+            while len(self.graphs) > config.saved_graphs:
+                self.graphs.popitem(last=False)
+        device = flat[0].device if flat else torch.device("cpu")
+        mark = torch.full((1,), ticket, dtype=torch.int64, device=device).view(torch.int32)
+        return tree_util.tree_unflatten(out_tree, values), mark
+
+    def backward(self, need, *args):
+        """(inputs..., ticket, cotangent) -> the needed inputs' cotangents,
+        flat."""
+        import torch
+        from jax import tree_util
+        *inputs, mark, cotangent = args
+        # On the GPU, a read that waits for XLA's stream: the forward's
+        # ticket may still be in flight.
+        ticket = int(mark.view(torch.int64).item())
+        with self.lock:
+            graph = self.graphs.pop(ticket, None)
+        cts = tree_util.tree_leaves(cotangent)
+        if graph is None or len(cts) != len(graph.ct_shapes) or any(
+                s is not None and tuple(c.shape) != s for c, s in zip(cts, graph.ct_shapes)):
+            # Gone (used, or evicted), or not this call's shapes (a batched
+            # backward of an unbatched forward): run fn again.
+            return self.recompute(need, *inputs, cotangent)
+        flat = tree_util.tree_leaves(tuple(inputs))
+        graph.views.append(flat)  # the inputs the saved references read
+        try:
+            return _grads(torch, flat, need, graph.outs, cts, graph.wrt)
+        finally:
+            graph.views.clear()
 
 
 PEER = register(Torch())

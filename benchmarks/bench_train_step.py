@@ -1,0 +1,159 @@
+"""A training step written in PyTorch, run from JAX with jax_overlay.foreign,
+against the same step in eager PyTorch and in JAX: same process, alternating
+rounds.
+
+The model: an MLP 256 -> 512 -> 10 (tanh), batch 128, float32, loss the mean
+square of its output.  One step is value_and_grad + SGD, dispatched and
+waited for (its new parameters ready), one step at a time:
+  torch eager       loss.backward() and p -= lr * p.grad, then synchronize
+                    (jax-free: the control of every round)
+  jax               jit(value_and_grad(the model in JAX) + SGD)
+  foreign saved     jit(... foreign(model, vjp="autograd")): the forward's
+                    graph kept for the backward call (the default)
+  foreign recompute the same, recompute=True: the backward call runs the
+                    model again under autograd
+  torch2jax         wrap_torch2jax.torch2jax of the model, where it installs
+Reported: µs per step, median over rounds, and per round each case's ratio
+to torch eager and to jax, medians over rounds.
+
+    python benchmarks/bench_train_step.py [--rounds 7] [--calls 200] [--out DIR]
+        [--shape BATCH,FEATURES,HIDDEN]
+
+writes DIR/train-step.txt and .json (train-step-BxFxH.* for another shape;
+the values are checked against JAX for the default one only).  Runs on the CPU backend too (PyTorch
+CPU tensors), where it is a check of the script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import os
+
+import harness  # first: XLA's allocator setting, before jax loads
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import jax_overlay
+
+CONTROL = "torch eager"
+LR = 0.1
+
+
+def torch_mlp(x, w1, b1, w2, b2):
+    h = torch.tanh(x @ w1 + b1)
+    return ((h @ w2 + b2) ** 2).mean()
+
+
+def jax_mlp(x, w1, b1, w2, b2):
+    h = jnp.tanh(x @ w1 + b1)
+    return ((h @ w2 + b2) ** 2).mean()
+
+
+def sgd(loss):
+    @jax.jit
+    def step(x, *p):
+        v, g = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))(x, *p)
+        return v, [a - LR * b for a, b in zip(p, g)]
+    return step
+
+
+def cases(batch, features, hidden, check):
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    x, *p0 = (jax.random.normal(k[0], (batch, features)),
+              jax.random.normal(k[1], (features, hidden)) * features ** -0.5,
+              jnp.zeros(hidden), jax.random.normal(k[2], (hidden, 10)) * hidden ** -0.5,
+              jnp.zeros(10))
+    on_gpu = jax.devices()[0].platform == "gpu"
+    dev = "cuda" if on_gpu else "cpu"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    spec = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def jax_arm(step):
+        state = [list(p0)]
+
+        def run():
+            v, state[0] = step(x, *state[0])
+            jax.block_until_ready(state[0])
+        return run
+    tx = torch.from_numpy(np.array(x)).to(dev)
+    tp = [torch.from_numpy(np.array(a)).to(dev).requires_grad_(True) for a in p0]
+
+    def torch_eager():
+        loss = torch_mlp(tx, *tp)
+        loss.backward()
+        with torch.no_grad():
+            for a in tp:
+                a -= LR * a.grad
+                a.grad = None
+        sync()
+    saved = jax_overlay.foreign(torch_mlp, framework="torch", result_shape_dtypes=spec,
+                                vjp="autograd")
+    redo = jax_overlay.foreign(torch_mlp, framework="torch", result_shape_dtypes=spec,
+                               vjp="autograd", recompute=True)
+    out = {CONTROL: torch_eager, "jax": jax_arm(sgd(jax_mlp)),
+           "foreign saved": jax_arm(sgd(saved)), "foreign recompute": jax_arm(sgd(redo))}
+    # One step of each from the same parameters: the same loss and update.
+    with jax.default_matmul_precision("highest" if check else None):
+        want = sgd(jax_mlp)(x, *p0)
+    for name, loss in (("foreign saved", saved), ("foreign recompute", redo))[:2 * check]:
+        got = sgd(loss)(x, *p0)
+        np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-3, err_msg=name)
+        for a, b in zip(got[1], want[1]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4,
+                                       err_msg=name)
+    try:
+        import wrap_torch2jax
+        t2j = wrap_torch2jax.torch2jax(torch_mlp, tx, *tp, depth=0)
+        out["torch2jax"] = jax_arm(sgd(t2j))
+        out["torch2jax"]()
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        out["torch2jax"] = f"{type(e).__name__}: {e}"[:200]
+    return out
+
+
+def main():
+    p = harness.arguments(__doc__, out=".", rounds=7, calls=200)
+    p.add_argument("--shape", default="128,256,512",
+                   help="batch,features,hidden (default: the small model above)")
+    args = p.parse_args()
+    batch, features, hidden = map(int, args.shape.split(","))
+    default = (batch, features, hidden) == (128, 256, 512)
+    made = cases(batch, features, hidden, check=default)
+    runnable = {k: v for k, v in made.items() if callable(v)}
+    samples = harness.alternate(
+        [harness.Arm(k, lambda fn=fn: harness.per_call_us(fn, args.calls), warm=fn,
+                     control=k == CONTROL) for k, fn in runnable.items()], args.rounds)
+    res = {"us": {}, "x_torch_eager": {}, "x_jax": {},
+           "unavailable": {k: v for k, v in made.items() if not callable(v)}}
+    for k, ts in samples.items():
+        res["us"][k] = harness.med(ts)
+        res["x_torch_eager"][k] = harness.med(harness.ratios(samples, k, CONTROL))
+        res["x_jax"][k] = harness.med(harness.ratios(samples, k, "jax"))
+    res["saved_over_recompute"] = harness.med(
+        harness.ratios(samples, "foreign saved", "foreign recompute"))
+    res["control_range_us"] = [min(samples[CONTROL]), max(samples[CONTROL])]
+    res["samples"] = samples
+    meta = harness.meta()
+    env = (f"{meta.get('device')}, jax {jax.__version__}, torch {torch.__version__}, "
+           f"Python {meta['python']}")
+    lo, hi = res["control_range_us"]
+    text = "\n".join([
+        f"# MLP {features}-{hidden}-10 training step (value_and_grad + SGD, batch {batch}, "
+        f"float32), µs per "
+        f"step, {args.rounds} alternating rounds of {args.calls} steps; {env}",
+        harness.table(["case", "us", "x torch eager", "x jax"], [
+            (k, f"{res['us'][k]:.1f}", f"{res['x_torch_eager'][k]:.3f}", f"{res['x_jax'][k]:.3f}")
+            for k in res["us"]]),
+        *[f"{k}: unavailable: {why}" for k, why in res["unavailable"].items()],
+        f"foreign saved / foreign recompute: {res['saved_over_recompute']:.3f} (median of "
+        f"per-round ratios); control (torch eager) {lo:.1f}-{hi:.1f} µs across rounds"])
+    print(text)
+    tag = "" if default else f"-{batch}x{features}x{hidden}"
+    harness.save(os.path.join(args.out, f"train-step{tag}.json"), {"results": res, "meta": meta})
+    harness.save(os.path.join(args.out, f"train-step{tag}.txt"), text + "\n")
+
+
+if __name__ == "__main__":
+    main()
