@@ -37,34 +37,13 @@ import torch
 
 import jax_overlay
 
+from jax_overlay.doctor.workloads import LR, jax_mlp, mlp_params, sgd, torch_mlp
+
 CONTROL = "torch eager"
-LR = 0.1
-
-
-def torch_mlp(x, w1, b1, w2, b2):
-    h = torch.tanh(x @ w1 + b1)
-    return ((h @ w2 + b2) ** 2).mean()
-
-
-def jax_mlp(x, w1, b1, w2, b2):
-    h = jnp.tanh(x @ w1 + b1)
-    return ((h @ w2 + b2) ** 2).mean()
-
-
-def sgd(loss):
-    @jax.jit
-    def step(x, *p):
-        v, g = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))(x, *p)
-        return v, [a - LR * b for a, b in zip(p, g)]
-    return step
 
 
 def cases(batch, features, hidden, check):
-    k = jax.random.split(jax.random.PRNGKey(0), 3)
-    x, *p0 = (jax.random.normal(k[0], (batch, features)),
-              jax.random.normal(k[1], (features, hidden)) * features ** -0.5,
-              jnp.zeros(hidden), jax.random.normal(k[2], (hidden, 10)) * hidden ** -0.5,
-              jnp.zeros(10))
+    x, *p0 = mlp_params(batch, features, hidden)
     on_gpu = jax.devices()[0].platform == "gpu"
     dev = "cuda" if on_gpu else "cpu"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -25,30 +27,27 @@ def _flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={value!r}: use 1 or 0")
 
 
-def _count(name: str, default: int) -> int:
+def _number(name: str, default: Any, kind: type, ok: Callable[[Any], bool], use: str) -> Any:
+    """The environment's `name` as a `kind`, `default` where unset; a value
+    `ok` refuses (or none of `kind`) is a ValueError saying what to `use`."""
     value = os.environ.get(name)
     if value is None or value == "":
         return default
     try:
-        count = int(value)
+        number = kind(value)
     except ValueError:
-        count = -1
-    if count < 0:
-        raise ValueError(f"{name}={value!r}: use a whole number, 0 or more")
-    return count
+        number = None
+    if number is None or not ok(number):
+        raise ValueError(f"{name}={value!r}: use {use}")
+    return number
+
+
+def _count(name: str, default: int) -> int:
+    return _number(name, default, int, lambda n: n >= 0, "a whole number, 0 or more")
 
 
 def _seconds(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{name}={value!r}: use a positive number of seconds")
-    return seconds
+    return _number(name, default, float, lambda s: s > 0, "a positive number of seconds")
 
 
 class Config:

@@ -400,7 +400,7 @@ class Autograd:
         leaves = [t.detach().requires_grad_(True) if n else t for t, n in zip(flat, need)]
         # The storage of each input view: a saved tensor over one of them is
         # XLA's memory (only ints here: the graph keeps these hooks).
-        bases = {}
+        bases: dict[int, tuple[int, Any]] = {}
         for i, t in enumerate(flat):
             if t.numel():
                 bases.setdefault(t.untyped_storage().data_ptr(), (i, t.dtype))

@@ -10,7 +10,6 @@ steps) is tests/gpu/test_foreign_gpu.py."""
 from __future__ import annotations
 
 import gc
-import threading
 import weakref
 
 import numpy as np
@@ -23,6 +22,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_overlay  # noqa: E402
+from jax_overlay.doctor import workloads  # noqa: E402
+from jax_overlay.doctor.workloads import counted, in_threads, jax_mlp, torch_mlp  # noqa: E402
 
 CPU = jax.devices("cpu")[0]
 SCALAR = jax.ShapeDtypeStruct((), np.float32)
@@ -32,31 +33,8 @@ def on_cpu(x):
     return jax.device_put(x, CPU)
 
 
-def counted(fn):
-    """fn, and the list its calls append to."""
-    calls: list = []
-
-    def wrapped(*args):
-        calls.append(1)
-        return fn(*args)
-    return wrapped, calls
-
-
-def torch_mlp(x, w1, b1, w2, b2):
-    h = torch.tanh(x @ w1 + b1)
-    return ((h @ w2 + b2) ** 2).mean()
-
-
-def jax_mlp(x, w1, b1, w2, b2):
-    h = jnp.tanh(x @ w1 + b1)
-    return ((h @ w2 + b2) ** 2).mean()
-
-
 def mlp_params(seed=0):
-    k = jax.random.split(jax.random.PRNGKey(seed), 3)
-    return [on_cpu(a) for a in (
-        jax.random.normal(k[0], (128, 32)), jax.random.normal(k[1], (32, 64)) * 0.2,
-        jnp.zeros(64), jax.random.normal(k[2], (64, 10)) * 0.2, jnp.zeros(10))]
+    return [on_cpu(a) for a in workloads.mlp_params(128, 32, 64, seed=seed, scale=0.2)]
 
 
 def test_training_matches_jax_over_100_steps_and_fn_runs_once_a_step():
@@ -66,12 +44,7 @@ def test_training_matches_jax_over_100_steps_and_fn_runs_once_a_step():
     fn, calls = counted(torch_mlp)
     f = jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=SCALAR, vjp="autograd")
 
-    def step(loss):
-        @jax.jit
-        def go(x, *p):
-            v, g = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))(x, *p)
-            return v, [a - 0.1 * b for a, b in zip(p, g)]
-        return go
+    step = workloads.sgd
     x, *p = mlp_params()
     q = list(p)
     ours, theirs = step(f), step(jax_mlp)
@@ -227,24 +200,16 @@ def test_threads_each_get_their_own_gradients():
                             vjp="autograd")
     vg = jax.jit(jax.value_and_grad(f, argnums=1))
     ref = jax.jit(jax.value_and_grad(jax_mlp, argnums=1))
-    errors: list = []
 
     def work(seed):
-        try:
-            p = mlp_params(seed)
-            want = ref(*p)
-            for _ in range(20):
-                got = vg(*p)
-                np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
-                np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]),
-                                           rtol=1e-4, atol=1e-6)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        p = mlp_params(seed)
+        want = ref(*p)
+        for _ in range(20):
+            got = vg(*p)
+            np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+            np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]),
+                                       rtol=1e-4, atol=1e-6)
+    errors = in_threads(work, 8)
     assert not errors, errors[0]
     assert f.saved.waiting() == 0
 

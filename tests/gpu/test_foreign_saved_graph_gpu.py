@@ -9,7 +9,6 @@ threads training at once."""
 from __future__ import annotations
 
 import gc
-import threading
 
 import numpy as np
 import pytest
@@ -21,41 +20,14 @@ import jax.numpy as jnp  # noqa: E402
 import jax_overlay  # noqa: E402
 
 from jax_overlay.doctor.producers import jax_fill  # noqa: E402
+from jax_overlay.doctor.workloads import (  # noqa: E402
+    counted, in_threads, jax_mlp, mlp_params, sgd, torch_mlp)
 
 SCALAR = jax.ShapeDtypeStruct((), np.float32)
 
 
-def torch_mlp(x, w1, b1, w2, b2):
-    h = torch.tanh(x @ w1 + b1)
-    return ((h @ w2 + b2) ** 2).mean()
-
-
-def jax_mlp(x, w1, b1, w2, b2):
-    h = jnp.tanh(x @ w1 + b1)
-    return ((h @ w2 + b2) ** 2).mean()
-
-
 def params(seed=0):
-    k = jax.random.split(jax.random.PRNGKey(seed), 3)
-    return [jax.random.normal(k[0], (128, 256)), jax.random.normal(k[1], (256, 512)) * 0.05,
-            jnp.zeros(512), jax.random.normal(k[2], (512, 10)) * 0.05, jnp.zeros(10)]
-
-
-def sgd(loss):
-    @jax.jit
-    def step(x, *p):
-        v, g = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))(x, *p)
-        return v, [a - 0.1 * b for a, b in zip(p, g)]
-    return step
-
-
-def counted(fn):
-    calls: list = []
-
-    def wrapped(*args):
-        calls.append(1)
-        return fn(*args)
-    return wrapped, calls
+    return mlp_params(seed=seed, scale=0.05)
 
 
 def test_training_matches_jax_and_recompute_over_100_steps():
@@ -155,24 +127,16 @@ def test_threads_train_at_once():
     redo = jax.jit(jax.value_and_grad(jax_overlay.foreign(
         torch_mlp, framework="torch", result_shape_dtypes=SCALAR, vjp="autograd",
         recompute=True), argnums=(1, 3)))
-    errors: list = []
 
     def work(seed):
-        try:
-            p = params(seed)
-            want = redo(*p)
-            for _ in range(50):
-                got = vg(*p)
-                np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
-                for a, b in zip(got[1], want[1]):
-                    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
-                                               atol=1e-7)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        p = params(seed)
+        want = redo(*p)
+        for _ in range(50):
+            got = vg(*p)
+            np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+            for a, b in zip(got[1], want[1]):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                           atol=1e-7)
+    errors = in_threads(work, 4)
     assert not errors, errors[0]
     assert f.saved.waiting() == 0

@@ -1,0 +1,74 @@
+"""Room: the doctor's workloads.  One training step written twice, in
+PyTorch and in JAX, for the tests and the benchmark of ``foreign(...,
+vjp="autograd")`` (tests/cpu/test_foreign_saved_graph.py,
+tests/gpu/test_foreign_saved_graph_gpu.py, benchmarks/bench_train_step.py):
+an MLP with one tanh hidden layer, 10 outputs and, as its loss, the mean
+square of its output.  PyTorch is imported on first use."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+
+LR = 0.1
+
+
+def torch_mlp(x, w1, b1, w2, b2):
+    import torch
+    h = torch.tanh(x @ w1 + b1)
+    return ((h @ w2 + b2) ** 2).mean()
+
+
+def jax_mlp(x, w1, b1, w2, b2):
+    h = jnp.tanh(x @ w1 + b1)
+    return ((h @ w2 + b2) ** 2).mean()
+
+
+def mlp_params(batch=128, features=256, hidden=512, *, seed=0, scale=None):
+    """[x, w1, b1, w2, b2], float32 on JAX's default device: standard
+    normal, the weights times `scale` (default: 1/sqrt(fan-in))."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    s1, s2 = (features ** -0.5, hidden ** -0.5) if scale is None else (scale, scale)
+    return [jax.random.normal(k[0], (batch, features)),
+            jax.random.normal(k[1], (features, hidden)) * s1,
+            jnp.zeros(hidden), jax.random.normal(k[2], (hidden, 10)) * s2, jnp.zeros(10)]
+
+
+def sgd(loss):
+    """jit(one step): value_and_grad of `loss` over the weights, then SGD;
+    returns (loss, new weights)."""
+    @jax.jit
+    def step(x, *p):
+        v, g = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))(x, *p)
+        return v, [a - LR * b for a, b in zip(p, g)]
+    return step
+
+
+def counted(fn):
+    """(fn, the list each of its calls appends to)."""
+    calls: list = []
+
+    def wrapped(*args):
+        calls.append(1)
+        return fn(*args)
+    return wrapped, calls
+
+
+def in_threads(work, n):
+    """Runs work(0), ..., work(n - 1) in n threads at once; returns the
+    exceptions they raised."""
+    errors: list = []
+
+    def run(i):
+        try:
+            work(i)
+        except Exception as e:  # noqa: BLE001 - returned to the caller
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
