@@ -11,19 +11,11 @@
 namespace jxo::cuda {
 namespace {
 
-// The few driver types this file needs, declared from the driver API's
-// documented ABI (all handles are pointers, results are ints).
-using CUresult = int;
-using CUdevice = int;
-using CUdeviceptr = unsigned long long;
+// The driver types only this file needs (the shared ones: cuda_driver.h).
 using CUcontext = void*;
-using CUstream = void*;
-using CUevent = void*;
 using CUmodule = void*;
 using CUfunction = void*;
 
-constexpr CUresult kSuccess = 0;
-constexpr CUresult kNotReady = 600;
 constexpr unsigned kEventDisableTiming = 0x2;
 
 enum PointerAttribute : int {

@@ -13,6 +13,17 @@
 
 namespace jxo::cuda {
 
+// The driver API's types and results that the files calling the driver
+// share (cuda_driver.cc, ipc.cc), declared once from its documented ABI:
+// handles are pointers, results are ints.
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;
+using CUstream = void*;
+using CUevent = void*;
+constexpr CUresult kSuccess = 0;
+constexpr CUresult kNotReady = 600;
+
 // CU_STREAM_LEGACY and CU_STREAM_PER_THREAD as stream handles.
 constexpr uintptr_t kLegacyStream = 1;
 constexpr uintptr_t kPerThreadStream = 2;

@@ -8,13 +8,16 @@
 namespace jxo::ipc {
 namespace {
 
-// The driver types these calls need, declared from the driver API's
-// documented ABI.
-using CUresult = int;
-using CUdevice = int;
-using CUdeviceptr = unsigned long long;
-using CUstream = void*;
-using CUevent = void*;
+using cuda::CUdevice;
+using cuda::CUdeviceptr;
+using cuda::CUevent;
+using cuda::CUresult;
+using cuda::CUstream;
+using cuda::kNotReady;
+using cuda::kSuccess;
+
+// The driver's memory-sharing types, declared from its documented ABI (the
+// common ones: cuda_driver.h).
 using Handle = unsigned long long;  // CUmemGenericAllocationHandle
 
 struct Location {  // CUmemLocation
@@ -39,8 +42,6 @@ struct Uuid {  // CUuuid
   char bytes[kUuidBytes];
 };
 
-constexpr CUresult kSuccess = 0;
-constexpr CUresult kNotReady = 600;
 constexpr int kLocationDevice = 1;
 constexpr int kAllocationPinned = 1;
 constexpr int kAccessReadWrite = 3;
