@@ -425,10 +425,8 @@ def _with_autograd(call, autograd, framework, result_shape_dtypes, vmap_method, 
         args = jax.tree_util.tree_unflatten(tree, [p.value for p in leaves])
         need = tuple(bool(p.perturbed) and jax.numpy.issubdtype(
             jax.numpy.result_type(p.value), jax.numpy.inexact) for p in leaves)
-        if not any(need):
-            return call(*args), (args, need, None)
-        forward, _ = calls(need)
-        if forward is None:
+        forward = calls(need)[0] if any(need) else None
+        if forward is None:  # recompute, or nothing to differentiate
             return call(*args), (args, need, None)
         outs, ticket = forward(*args)
         return outs, (args, need, ticket)  # the inputs (JAX arrays) and the ticket
@@ -533,5 +531,5 @@ def _cotangents(residuals, got):
     for x, ct in zip(residuals, got):
         out.append(jax.tree_util.tree_map(
             lambda x, c: c if jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.inexact)
-            else np.zeros(np.shape(x), jax.dtypes.float0), x, ct))
+            else _zero_cotangent(x), x, ct))
     return tuple(out)

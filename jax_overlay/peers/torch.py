@@ -301,6 +301,12 @@ def _grads(torch, flat, need, outs, cts, wrt):
     return [torch.zeros_like(t) if g is None else g for t, g in zip(needed, grads)]
 
 
+def _leaves(flat, need):
+    """The inputs as autograd sees them: the needed ones as leaves that
+    require grad (sharing the views' memory), the others as they are."""
+    return [t.detach().requires_grad_(True) if n else t for t, n in zip(flat, need)]
+
+
 class _InputRef:
     """A tensor the forward's graph saved that views one of the call's
     inputs (XLA's memory, valid for that call only): kept as where it lies
@@ -320,9 +326,8 @@ class _Graph:
     only)."""
     __slots__ = ("outs", "wrt", "ct_shapes", "views")
 
-    def __init__(self, outs, wrt, ct_shapes):
-        self.outs, self.wrt, self.ct_shapes = outs, wrt, ct_shapes
-        self.views: list = []
+    def __init__(self, outs, wrt, ct_shapes, views):
+        self.outs, self.wrt, self.ct_shapes, self.views = outs, wrt, ct_shapes, views
 
 
 class Autograd:
@@ -384,7 +389,7 @@ class Autograd:
         from jax import tree_util
         *inputs, cotangent = args
         flat, tree = tree_util.tree_flatten(tuple(inputs))
-        leaves = [t.detach().requires_grad_(True) if n else t for t, n in zip(flat, need)]
+        leaves = _leaves(flat, need)
         with torch.enable_grad():
             outs = tree_util.tree_leaves(self.fn(*tree_util.tree_unflatten(tree, leaves)))
             outs = [o if isinstance(o, torch.Tensor) and o.requires_grad else None
@@ -397,7 +402,7 @@ class Autograd:
         import torch
         from jax import tree_util
         flat, tree = tree_util.tree_flatten(tuple(inputs))
-        leaves = [t.detach().requires_grad_(True) if n else t for t, n in zip(flat, need)]
+        leaves = _leaves(flat, need)
         # The storage of each input view: a saved tensor over one of them is
         # XLA's memory (only ints here: the graph keeps these hooks).
         bases: dict[int, tuple[int, Any]] = {}
@@ -443,8 +448,7 @@ class Autograd:
             if n:
                 # Its gradient node holds the leaf: no longer XLA's memory.
                 t.data = self.stand_in(t)
-        graph = _Graph(out_edges, wrt, ct_shapes)
-        graph.views = graph_views
+        graph = _Graph(out_edges, wrt, ct_shapes, graph_views)
         ticket = next(self.tickets)
         with self.lock:
             self.graphs[ticket] = graph
