@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # Python side relies on (a name, an argument, a return value): a native
 # module built with another number is refused at import, whatever the
 # version says.
-ABI = 3
+ABI = 4
 
 # The jaxlib releases this version is validated against: at least
 # JAXLIB_MIN and below JAXLIB_BELOW (release numbers, compared

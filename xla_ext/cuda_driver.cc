@@ -45,6 +45,8 @@ struct Table {
   CUresult (*CtxGetDevice)(CUdevice*);
   CUresult (*PointerGetAttributes)(unsigned, int*, void**, CUdeviceptr);
   CUresult (*StreamQuery)(CUstream);
+  CUresult (*StreamIsCapturing)(CUstream, int*);
+  CUresult (*ThreadExchangeStreamCaptureMode)(int*);
   CUresult (*EventCreate)(CUevent*, unsigned);
   CUresult (*EventRecord)(CUevent, CUstream);
   CUresult (*EventDestroy)(CUevent);
@@ -97,6 +99,9 @@ void LoadOnce() {
             Sym(lib, "cuCtxGetDevice", &g_cu.CtxGetDevice) &&
             Sym(lib, "cuPointerGetAttributes", &g_cu.PointerGetAttributes) &&
             Sym(lib, "cuStreamQuery", &g_cu.StreamQuery) &&
+            Sym(lib, "cuStreamIsCapturing", &g_cu.StreamIsCapturing) &&
+            Sym(lib, "cuThreadExchangeStreamCaptureMode",
+                &g_cu.ThreadExchangeStreamCaptureMode) &&
             Sym(lib, "cuEventCreate", &g_cu.EventCreate) &&
             Sym(lib, "cuEventRecord", &g_cu.EventRecord) &&
             Sym(lib, "cuEventDestroy_v2", &g_cu.EventDestroy) &&
@@ -279,6 +284,28 @@ bool QueryPointer(uintptr_t ptr, PointerInfo* out, Error* err) {
   out->range_start = uintptr_t(range_start);
   out->range_size = range_size;
   return true;
+}
+
+bool CaptureStatus(int ordinal, uintptr_t stream, int* status, Error* err) {
+  if (!Load(err)) return false;
+  CUcontext ctx;
+  ScopedContext scope;
+  if (!Primary(ordinal, &ctx, err) || !scope.Enter(ctx, err)) return false;
+  // cuStreamIsCapturing is itself legal during a capture (cuStreamQuery is
+  // not: it would invalidate the capture it asks about).
+  CUresult r = g_cu.StreamIsCapturing(reinterpret_cast<CUstream>(stream), status);
+  if (r == kSuccess) return true;
+  return DriverFail(err,
+                    "cuStreamIsCapturing on stream " + StreamName(stream) +
+                        " of device " + std::to_string(ordinal),
+                    r);
+}
+
+bool ExchangeCaptureMode(int* mode, Error* err) {
+  if (!Load(err)) return false;
+  CUresult r = g_cu.ThreadExchangeStreamCaptureMode(mode);
+  if (r == kSuccess) return true;
+  return DriverFail(err, "cuThreadExchangeStreamCaptureMode", r);
 }
 
 bool StreamIdle(int ordinal, uintptr_t stream, bool* idle, Error* err) {

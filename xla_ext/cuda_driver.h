@@ -71,6 +71,20 @@ bool OrderAfter(int ordinal, uintptr_t producer, uintptr_t consumer,
 // True when every piece of work enqueued on `stream` has finished.
 bool StreamIdle(int ordinal, uintptr_t stream, bool* idle, Error* err);
 
+// CUstreamCaptureStatus of `stream`: kCaptureNone, kCaptureActive (work
+// enqueued now is recorded into a graph, not run) or kCaptureInvalidated.
+constexpr int kCaptureNone = 0;
+constexpr int kCaptureActive = 1;
+constexpr int kCaptureInvalidated = 2;
+bool CaptureStatus(int ordinal, uintptr_t stream, int* status, Error* err);
+
+// This thread's CUstreamCaptureMode set to *mode, and the previous one
+// returned in *mode (cuThreadExchangeStreamCaptureMode).  kCaptureRelaxed
+// lets this thread allocate (cuMemAlloc) while a stream it launches on is
+// captured; the modes that refuse it are global (0) and thread-local (1).
+constexpr int kCaptureRelaxed = 2;
+bool ExchangeCaptureMode(int* mode, Error* err);
+
 // Makes the primary context of device `ordinal` current for the life of the
 // object, unless it already is, and restores the previous one after.  The
 // CUDA runtime reads "the current device" from the current context, so a

@@ -503,6 +503,31 @@ PYBIND11_MODULE(_xla_ext, m) {
       "enqueued).");
 
   m.def(
+      "capture_status",
+      [](int ordinal, uintptr_t stream) {
+        int status = cuda::kCaptureNone;
+        Error err;
+        if (!cuda::CaptureStatus(ordinal, stream, &status, &err)) Raise(err);
+        return status;
+      },
+      py::arg("ordinal"), py::arg("stream"),
+      "0 when `stream` is not capturing, 1 while a CUDA graph capture records "
+      "it (what is enqueued is recorded, not run), 2 for a capture that an "
+      "illegal call invalidated.");
+
+  m.def(
+      "exchange_capture_mode",
+      [](int mode) {
+        Error err;
+        if (!cuda::ExchangeCaptureMode(&mode, &err)) Raise(err);
+        return mode;
+      },
+      py::arg("mode"),
+      "Sets this thread's stream capture mode (0 global, 1 thread-local, 2 "
+      "relaxed: allocations allowed during a capture) and returns the one it "
+      "had.");
+
+  m.def(
       "call_on_device",
       [](int ordinal, py::function fn, py::args args) {
         cuda::DeviceScope scope;  // popped on return and on exceptions alike
