@@ -9,6 +9,10 @@ Frameworks are the peers with an adapter
 stream); ``"torch"`` also on host buffers (the CPU backend).  Each adapter
 lives in its peer's module.
 
+Replay (``replay=True``): XLA traces ``fn`` into its CUDA graph and
+replays it; what ``fn`` allocates while traced comes from memory kept for
+the traces (the adapters' ``capture``).
+
 Lifetime: the views given to ``fn`` are XLA's buffers for the duration of
 the call only.  Inputs are views XLA still owns (read-only where the
 framework has read-only arrays); outputs are written by copying what ``fn``
@@ -30,7 +34,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _xla_ext as ext
 from . import peers
+from .peers._base import buffer_facts
 from .errors import ForeignError, JaxRuntimeError, like_stock
 
 
@@ -131,31 +137,50 @@ def _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens):
 _LEAF = jax.tree_util.tree_structure(0)
 
 
-def _make_callback(fn, adapter, in_tree, out_tree, write_out):
+def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False):
     """The buffer_callback body.  It is given flat leaves (`call` flattens
     both sides, so jax's own unflattening is a tuple's): `in_tree` and
     `out_tree` are unflattened here only when fn's pytrees are not already
-    that (a tuple of arrays in, one array out)."""
+    that (a tuple of arrays in, one array out).  With `replay`, a call
+    that finds XLA's stream captured is a trace: fn's work is recorded
+    into XLA's CUDA graph, which XLA replays with no Python."""
     if in_tree == jax.tree_util.tree_structure((0,) * in_tree.num_leaves):
         in_tree = None
     if out_tree == _LEAF:
         out_tree = None
+    # The memory of fn's traces (pools, allocations), by the addresses of
+    # the outputs they write, never released: a trace can be replayed by
+    # every executable that holds this callback, so for as long as this
+    # callback lives.  Traces share memory only where they write the same
+    # outputs, which XLA never runs at once; a trace made again for the
+    # same addresses reuses it.
+    kept: dict = {}
 
     def callback(ctx, outs, *args):
         ordinal = adapter.ordinal((*outs, *args))
         tokens: list = []
         stack = _local.__dict__.setdefault("streams", [])  # foreign_stream()'s
+        traced = False
         try:
+            traced = replay and ordinal is not None and _capturing(ordinal, ctx)
             # XLA's stream made the framework's current one, and undone in
             # every case: this thread goes on running other callbacks.
-            stream, state = adapter.enter(ctx, ordinal)
+            stream, state = adapter.enter(ctx, ordinal, traced)
             stack.append(stream)
             try:
-                _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens)
+                if traced:
+                    key = (ordinal, *(buffer_facts(b)[0] for b in (outs or args)))
+                    with adapter.capture(kept.setdefault(key, [])):
+                        _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream,
+                             tokens)
+                else:
+                    _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens)
             finally:
                 stack.pop()
                 adapter.exit(state)
-        except ForeignError:
+        except ForeignError as e:
+            if traced:
+                raise ForeignError(f"{e}{_while_traced()}") from e
             raise
         except Exception as e:
             # XLA reports it as its runtime error, with this message and the
@@ -163,12 +188,26 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out):
             # Its class and message first: that is the line a reader needs.
             raise ForeignError(
                 f"{type(e).__qualname__}: {e} (raised by the foreign function "
-                f"{getattr(fn, '__qualname__', fn)!r})") from e
+                f"{getattr(fn, '__qualname__', fn)!r}{_while_traced() if traced else ''})") from e
         for t in tokens:
             if t() is not None:
                 _kept(tokens)
                 break
     return callback
+
+
+def _capturing(ordinal, ctx):
+    """Whether XLA's stream is being captured into a CUDA graph: this call
+    is a trace, and what fn enqueues is recorded, not run."""
+    return ext.capture_status(ordinal, ctx.stream) != 0
+
+
+def _while_traced():
+    return ("; it ran while XLA traced it into a CUDA graph (foreign(..., replay=True)), "
+            "where fn may not wait for the GPU on the host (.item(), .cpu(), .tolist(), "
+            "printing values, a shape that depends on values), launch on a stream other than "
+            "XLA's (jax_overlay.foreign_stream()), or use a library that refuses stream "
+            "capture: make fn capturable, or pass replay=False")
 
 
 def _kept(tokens):
@@ -252,7 +291,7 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
             vjp: Callable[..., Any] | str | None = None, vmap_method: str | None = None,
             out: bool = False,
             input_output_aliases: dict[int, int] | None = None,
-            recompute: bool = False) -> Callable[..., Any]:
+            recompute: bool = False, replay: bool = False) -> Callable[..., Any]:
     """``fn`` as a JAX function that runs inside ``jax.jit``, eagerly, under
     ``jax.vmap`` and, given ``vjp``, under ``jax.grad``.
 
@@ -290,6 +329,15 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
       the output's buffer starts with the input's values, and is the
       input's own buffer where ``jax.jit`` donates it (``donate_argnums``),
       so nothing is allocated; with ``out=True``, ``fn`` updates it in place.
+    * ``replay=True`` (GPU frameworks): XLA may trace ``fn`` into its CUDA
+      command buffer and replay it without Python, so ``fn`` must be a
+      pure function of its inputs (its Python runs only when XLA traces).
+      What ``fn`` allocates while traced stays reserved for the traces as
+      long as this function lives.  A host synchronisation in ``fn`` fails
+      the trace, naming ``replay=False``.  XLA graphs small programs only
+      with ``XLA_FLAGS=--xla_gpu_graph_min_graph_size=1``; otherwise ``fn``
+      runs on every call, as by default.  With ``vjp="autograd"`` the
+      backward recomputes.
     * Views live for the call only: anything ``fn`` keeps must be a copy.
     """
     peer = peers.foreign_peer(framework)  # ValueError naming the frameworks
@@ -311,8 +359,9 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
             "for autograd (fn's outputs are then copied into XLA's), or pass a vjp function")
     if vjp is not None and not isinstance(vjp, str) and not callable(vjp):
         raise TypeError(f"vjp must be callable, 'autograd' or None, got {type(vjp).__qualname__}")
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be True or False, got {type(recompute).__qualname__}")
+    for name, flag in (("recompute", recompute), ("replay", replay)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {type(flag).__qualname__}")
     if recompute and vjp != "autograd":
         raise ValueError(
             f"recompute=True chooses how vjp='autograd' finds the forward's graph (it runs fn "
@@ -323,12 +372,14 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         out_tree, out_specs = out_spec_key
         from jax.experimental.buffer_callback import buffer_callback
         # The framework is imported on the first call, not when fn is wrapped.
-        cb = _make_callback(fn, _adapter(framework), in_tree, out_tree, out)
+        cb = _make_callback(fn, _adapter(framework), in_tree, out_tree, out, replay)
         # Flat on both sides: the callback gets XLA's buffers as leaves.
-        # command_buffer_compatible stays False: fn's Python must run on
-        # every call, not once into a CUDA graph that XLA replays.
+        # command_buffer_compatible only with replay=True: otherwise fn's
+        # Python runs on every call, never once into a CUDA graph that XLA
+        # replays.
         return buffer_callback(cb, list(out_specs), vmap_method=vmap_method,
-                               input_output_aliases=dict(aliases) or None)
+                               input_output_aliases=dict(aliases) or None,
+                               command_buffer_compatible=replay)
 
     def call(*args):
         if not args:
@@ -349,16 +400,20 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         return functools.wraps(fn)(call)
 
     if vjp == "autograd":
-        saved = not recompute and vmap_method in (None, "sequential", "sequential_unrolled")
+        # A replayed trace runs no Python, and a kept graph is found by
+        # reading its ticket on the host: replay recomputes.
+        saved = (not recompute and not replay
+                 and vmap_method in (None, "sequential", "sequential_unrolled"))
         return functools.wraps(fn)(_with_autograd(
-            call, peer.autograd(fn), framework, result_shape_dtypes, vmap_method, saved))
+            call, peer.autograd(fn), framework, result_shape_dtypes, vmap_method, saved,
+            replay))
 
     backward_fn = _one_per_input(vjp)
 
     def vjp_spec(*args):
         return tuple(args[:-1])  # one cotangent per input, shaped as it
     backward = foreign(backward_fn, framework=framework, result_shape_dtypes=vjp_spec,
-                       vmap_method=vmap_method)
+                       vmap_method=vmap_method, replay=replay)
 
     @jax.custom_vjp
     def differentiable(*args):
@@ -379,7 +434,8 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
 _TICKET = jax.ShapeDtypeStruct((2,), np.int32)
 
 
-def _with_autograd(call, autograd, framework, result_shape_dtypes, vmap_method, saved):
+def _with_autograd(call, autograd, framework, result_shape_dtypes, vmap_method, saved,
+                   replay=False):
     """vjp="autograd": the framework's autograd (`autograd`, its peer's
     object) differentiates fn for the inputs JAX differentiates, and no
     others (``custom_vjp``'s symbolic zeros say which: an input outside
@@ -408,7 +464,8 @@ def _with_autograd(call, autograd, framework, result_shape_dtypes, vmap_method, 
                 return [x for x, n in zip(leaves, need) if n]
             backward = foreign(functools.partial(
                 autograd.backward if saved else autograd.recompute, need),
-                framework=framework, result_shape_dtypes=wanted, vmap_method=vmap_method)
+                framework=framework, result_shape_dtypes=wanted, vmap_method=vmap_method,
+                replay=replay)
             forward = (foreign(functools.partial(autograd.forward, need), framework=framework,
                                result_shape_dtypes=forward_spec, vmap_method=vmap_method)
                        if saved else None)

@@ -3,6 +3,7 @@ adapter over XLA's device buffers.  Nothing here imports a library."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
@@ -153,6 +154,18 @@ class GpuAdapter:
         assert self.peer is not None, "an adapter without a peer makes its own streams"
         return self.peer.stream(handle, ordinal)
 
+    def capture(self, memory: list) -> Any:
+        """A context for fn's run while XLA traces it into a CUDA graph
+        (``foreign(..., replay=True)``), in which what fn allocates stays
+        reserved for the trace: a replay writes the same addresses with no
+        Python, so memory the library freed and handed to other arrays
+        after the trace would be overwritten.  `memory` is this trace's
+        list, kept as long as any executable can replay it, and shared
+        with the traces that write the same output buffers (never run at
+        once): a pool made into it once serves them all.  The default
+        keeps nothing: for a library that does not allocate on the device."""
+        return contextlib.nullcontext()
+
     def facts(self, got):
         """(shape, NumPy dtype) of an array of the library, else (None, None)."""
         raise NotImplementedError
@@ -209,6 +222,19 @@ class GpuAdapter:
         if shape != tuple(view.shape) or dtype != self.np_dtype(view):
             raise mismatch(i, dtype, shape, self.np_dtype(view), tuple(view.shape))
         return got
+
+
+@contextlib.contextmanager
+def relaxed_capture():
+    """This thread's capture mode relaxed for the block: a library may then
+    allocate device memory (cuMemAlloc) while XLA's stream is captured.
+    XLA captures in a mode that refuses it; synchronisations stay refused
+    in every mode."""
+    previous = ext.exchange_capture_mode(2)
+    try:
+        yield
+    finally:
+        ext.exchange_capture_mode(previous)
 
 
 def _cpu_names():

@@ -11,7 +11,7 @@ import warnings
 
 from .._dlpack import KDLCUDA
 from . import register
-from ._base import GpuAdapter, Peer
+from ._base import GpuAdapter, Peer, relaxed_capture
 
 
 class CuPy(Peer):
@@ -76,7 +76,7 @@ class Foreign(GpuAdapter):
         self.cupy = cupy
         self.array = cupy.ndarray
 
-    def enter(self, ctx, ordinal):
+    def enter(self, ctx, ordinal, traced=False):
         stream = self.stream(ctx.stream, ordinal)
         device = self.cupy.cuda.Device(ordinal)
         device.__enter__()
@@ -93,6 +93,19 @@ class Foreign(GpuAdapter):
             stream.__exit__(None, None, None)
         finally:
             device.__exit__(None, None, None)
+
+    def capture(self, memory):
+        """A memory pool of the traces', this thread's allocator while XLA
+        traces fn; it grows in relaxed capture mode (CuPy's malloc does not
+        relax it itself)."""
+        if not memory:
+            memory.append(self.cupy.cuda.MemoryPool())  # its blocks: the traces' temporaries
+        pool = memory[0]
+
+        def malloc(size):
+            with relaxed_capture():
+                return pool.malloc(size)
+        return self.cupy.cuda.using_allocator(malloc)
 
     def empty(self, shape, dtype):
         return self.cupy.empty(shape, dtype)

@@ -8,11 +8,14 @@ kernels take ``jax_overlay.foreign_stream()``."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 
 from .. import _xla_ext as ext
 from . import register
-from ._base import GpuAdapter, Peer
+from ._base import GpuAdapter, Peer, relaxed_capture
 
 _LEGACY, _PER_THREAD = 1, 2  # the CUDA driver's stream handles
 
@@ -53,7 +56,7 @@ class Foreign(GpuAdapter):
         from numba.core import config
         self.default = _PER_THREAD if getattr(config, "CUDA_PER_THREAD_DEFAULT_STREAM", 0) else _LEGACY
 
-    def enter(self, ctx, ordinal):
+    def enter(self, ctx, ordinal, traced=False):
         xla = ctx.stream
         gpu = self.cuda.gpus[ordinal]
         gpu.__enter__()
@@ -61,21 +64,31 @@ class Foreign(GpuAdapter):
             stream = self.stream(xla, ordinal)
             # Work fn puts on the default stream runs after XLA's work
             # before the call, and XLA's work after the call runs after it
-            # (exit()).
-            ext.order_after(ordinal, xla, self.default)
+            # (exit()).  Not while XLA's stream is captured: no fence can
+            # join a capture, and a kernel on the default stream is an
+            # error there (kernels take foreign_stream()).
+            if not traced:
+                ext.order_after(ordinal, xla, self.default)
         except BaseException:
             gpu.__exit__(None, None, None)
             raise
-        return stream, (gpu, ordinal, xla)
+        return stream, (gpu, ordinal, None if traced else xla)
 
     def exit(self, state):
         gpu, ordinal, xla = state
         try:
             # Also when fn raised: a kernel it launched may still write
             # into XLA's buffers, which XLA must not reuse before it ends.
-            ext.order_after(ordinal, self.default, xla)
+            if xla is not None:
+                ext.order_after(ordinal, self.default, xla)
         finally:
             gpu.__exit__(None, None, None)
+
+    def capture(self, memory):
+        """Numba has no pool to route to: what this thread allocates while
+        XLA traces fn (cuMemAlloc, in relaxed capture mode) is kept in
+        `memory`, never freed, and frees fall due after the trace."""
+        return _keeping(self.cuda.current_context(), memory)
 
     def empty(self, shape, dtype):
         return self.cuda.device_array(shape, dtype)
@@ -98,6 +111,36 @@ class Foreign(GpuAdapter):
         elif not isinstance(got, self.cuda.devicearray.DeviceNDArray):
             got = self.cuda.as_cuda_array(got, sync=False)
         view.copy_to_device(got, stream=stream)
+
+
+_patching = threading.Lock()
+
+
+@contextlib.contextmanager
+def _keeping(context, kept):
+    """Numba's memory manager for `context`, its memalloc wrapped for the
+    block: this thread's allocations appended to `kept`.  Other threads'
+    pass through.  One capture patches at a time."""
+    mm = context.memory_manager
+    thread = threading.get_ident()
+    with _patching:
+        own, theirs = mm.memalloc, mm.__dict__.get("memalloc")
+
+        def memalloc(size):
+            mem = own(size)
+            if threading.get_ident() == thread:
+                kept.append(mem)  # the trace's: freeing it would let a replay write freed memory
+            return mem
+        mm.memalloc = memalloc
+        try:
+            # No cuMemFree while captured: Numba's pending frees wait.
+            with mm.defer_cleanup(), relaxed_capture():
+                yield
+        finally:
+            if theirs is None:
+                del mm.memalloc  # the class's own again
+            else:
+                mm.memalloc = theirs
 
 
 PEER = register(Numba())

@@ -51,7 +51,7 @@ class Foreign:
                     "there, or put the inputs on the CPU (jax.device_put(x, jax.devices('cpu')[0]))")
         return None
 
-    def enter(self, ctx, ordinal):
+    def enter(self, ctx, ordinal, traced=False):
         """(the stream fn runs on, what exit() needs): nothing for the host."""
         return None, None
 

@@ -8,6 +8,7 @@ CUDA and CPU tensors, and ``vjp="autograd"``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -192,7 +193,7 @@ class Foreign(GpuAdapter):
             return None
         return super().ordinal(buffers)
 
-    def enter(self, ctx, ordinal):
+    def enter(self, ctx, ordinal, traced=False):
         if ordinal is None:  # host tensors: no stream to make current
             return None, None
         stream = self.stream(ctx.stream, ordinal)
@@ -203,6 +204,16 @@ class Foreign(GpuAdapter):
     def exit(self, state):
         if state is not None:
             state.__exit__(None, None, None)
+
+    def capture(self, memory):
+        """A private pool (torch.cuda.MemPool) where every allocation on
+        XLA's stream goes while XLA traces fn: by stream, not by thread
+        (torch.cuda.use_mem_pool's rule), since autograd's backward runs on
+        PyTorch's own device thread.  PyTorch's allocator itself relaxes
+        the capture mode to grow the pool."""
+        if not memory:
+            memory.append(self.torch.cuda.MemPool())  # its blocks: the traces' temporaries
+        return _allocating_to(self.torch, memory[0])
 
     def dtype(self, dtype):
         t = getattr(self.torch, dtype.name, None)
@@ -240,6 +251,20 @@ class Foreign(GpuAdapter):
             view.copy_(got)  # on the current stream: XLA's
         else:
             view.fill_(got)
+
+
+@contextlib.contextmanager
+def _allocating_to(torch, pool):
+    """Allocations on the current stream (XLA's, made current by enter())
+    from `pool` for the block, from any thread."""
+    device = torch.cuda.current_device()
+    torch._C._cuda_beginAllocateCurrentStreamToPool(device, pool.id)
+    try:
+        yield
+    finally:
+        torch._C._cuda_endAllocateToPool(device, pool.id)
+        # The begin took a use of the pool; `pool` holds its own.
+        torch._C._cuda_releasePool(device, pool.id)
 
 
 # Tensors open_shared made, by id: (weak reference, share, leaf index); and

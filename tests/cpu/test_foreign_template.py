@@ -43,7 +43,7 @@ class Host(_base.GpuAdapter):
         self.log.append(("wrap", threading.get_ident()))
         return ("stream", handle, ordinal)
 
-    def enter(self, ctx, ordinal):
+    def enter(self, ctx, ordinal, traced=False):
         # XLA's CPU runtime has no stream (ctx.stream raises there): 0.
         stream = self.stream(0, ordinal)
         self.log.append("enter")

@@ -1,0 +1,231 @@
+"""foreign(..., replay=True) where CI runs: the arguments; the CPU backend,
+where XLA has no command buffers and fn runs on every call; the traced
+path of the callback (the adapter's capture(), what it keeps, the errors
+naming replay=False) through the GPU template with the capture status
+stubbed; Numba's keeping of allocations with a stand-in memory manager;
+and vjp="autograd" with replay=True recomputing.  The GPU's own
+behaviour (traces, replays, pools) is tests/gpu/test_foreign_replay_gpu.py."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_overlay
+from jax_overlay import _foreign
+from jax_overlay.errors import ForeignError
+from jax_overlay.peers import _base
+from test_foreign_template import Host
+
+CPU = jax.devices("cpu")[0]
+
+
+def on_cpu(x):
+    return jax.device_put(x, CPU)
+
+
+class Capturing(Host):
+    """The template, with capture() recording what it is given."""
+
+    def capture(self, memory):
+        self.log.append("capture")
+        self.memories.append(memory)
+
+        @contextlib.contextmanager
+        def pool():
+            memory.append("trace")
+            self.log.append("in pool")
+            try:
+                yield
+            finally:
+                self.log.append("out of pool")
+        return pool()
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """The template adapter, every call a trace (as on a GPU whose stream
+    XLA captures)."""
+    adapter = Capturing()
+    adapter.memories = []
+    monkeypatch.setattr(_foreign, "_adapter", lambda framework: adapter)
+    monkeypatch.setattr(_foreign, "_check_placement", lambda args, framework: None)
+    monkeypatch.setattr(_foreign, "_capturing", lambda ordinal, ctx: True)
+    return adapter
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_replay_takes_a_bool(bad):
+    with pytest.raises(TypeError, match="replay must be True or False"):
+        jax_overlay.foreign(lambda x: x, framework="numpy", result_shape_dtypes=lambda x: x,
+                            replay=bad)
+
+
+def test_on_the_cpu_fn_runs_every_call():
+    runs = []
+
+    def fn(x):
+        runs.append(1)
+        return x * 2
+    f = jax.jit(jax_overlay.foreign(fn, framework="numpy", result_shape_dtypes=lambda x: x,
+                                    replay=True))
+    x = on_cpu(jnp.arange(4.0))
+    for i in range(5):
+        np.testing.assert_array_equal(np.asarray(f(x + i)), (np.arange(4.0) + i) * 2)
+    assert len(runs) == 5
+
+
+def test_a_trace_runs_fn_inside_the_adapters_capture(traced):
+    f = jax.jit(jax_overlay.foreign(lambda x: x + 1, framework="torch",
+                                    result_shape_dtypes=lambda x: x, replay=True))
+    x = on_cpu(jnp.arange(3.0, dtype=jnp.float32))
+    np.testing.assert_array_equal(np.asarray(f(x)), [1.0, 2.0, 3.0])
+    log = [e for e in traced.log if isinstance(e, str)]
+    assert log == ["enter", "capture", "in pool", "out of pool", "exit"]
+
+
+def test_without_replay_there_is_no_capture(traced):
+    f = jax.jit(jax_overlay.foreign(lambda x: x + 1, framework="torch",
+                                    result_shape_dtypes=lambda x: x))
+    f(on_cpu(jnp.ones(2, jnp.float32))).block_until_ready()
+    assert "capture" not in traced.log
+
+
+def test_what_each_trace_keeps_stays_with_the_callback(traced, monkeypatch):
+    made = []
+    real = _foreign._make_callback
+
+    def spy(*args, **kwargs):
+        cb = real(*args, **kwargs)
+        made.append(cb)
+        return cb
+    monkeypatch.setattr(_foreign, "_make_callback", spy)
+    f = jax.jit(jax_overlay.foreign(lambda x: x * 3, framework="torch",
+                                    result_shape_dtypes=lambda x: x, replay=True))
+    outs = [f(on_cpu(jnp.full(2, i, jnp.float32))) for i in range(3)]  # all alive: 3 outputs
+    jax.block_until_ready(outs)
+    (cb,) = made
+    kept = next(c.cell_contents for c in cb.__closure__ if isinstance(c.cell_contents, dict))
+    # One memory per output buffer, each the list its trace was given, and
+    # none dropped: the callback holds them while it lives.
+    assert len(kept) == 3 and len(traced.memories) == 3
+    assert sorted(map(id, kept.values())) == sorted(map(id, traced.memories))
+    assert all(m == ["trace"] for m in kept.values())
+    ptrs = {o.unsafe_buffer_pointer() for o in outs}
+    assert {k[1] for k in kept} == ptrs  # keyed by the output buffers' addresses
+
+
+def test_an_error_while_traced_names_replay_false(traced):
+    def fn(x):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    f = jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=lambda x: x,
+                            replay=True)
+    with pytest.raises(Exception) as info:
+        jax.jit(f)(on_cpu(jnp.ones(2, jnp.float32))).block_until_ready()
+    text = str(info.value)  # under jit, XLA's runtime error with fn's error in it
+    assert "RuntimeError: CUDA error: operation not permitted" in text
+    assert "replay=False" in text and ".item()" in text
+    assert "out of pool" in traced.log and traced.log[-1] == "exit"
+
+
+def test_a_wrong_output_while_traced_names_replay_false_too(traced):
+    f = jax_overlay.foreign(lambda x: x[:1], framework="torch",
+                            result_shape_dtypes=lambda x: x, replay=True)
+    with pytest.raises(Exception, match=r"(?s)float32\[1\].*replay=False"):
+        jax.jit(f)(on_cpu(jnp.ones(2, jnp.float32))).block_until_ready()
+
+
+class _Memory:
+    """A stand-in for Numba's memory manager."""
+
+    def __init__(self):
+        self.deferred = 0
+        self.n = 0
+
+    def memalloc(self, size):
+        self.n += 1
+        return ("mem", self.n, size)
+
+    @contextlib.contextmanager
+    def defer_cleanup(self):
+        self.deferred += 1
+        try:
+            yield
+        finally:
+            self.deferred -= 1
+
+
+def test_numba_allocations_while_traced_are_kept(monkeypatch):
+    from jax_overlay.peers import numba as peer
+    modes = []
+
+    def exchange(mode):
+        modes.append(mode)
+        return 1 if mode == 2 else 2
+    monkeypatch.setattr(_base.ext, "exchange_capture_mode", exchange)
+
+    class Context:
+        memory_manager = _Memory()
+    mm = Context.memory_manager
+    kept: list = []
+    other: list = []
+    with peer._keeping(Context, kept):
+        assert mm.deferred == 1  # no frees while captured
+        a = Context.memory_manager.memalloc(64)
+        t = threading.Thread(target=lambda: other.append(mm.memalloc(32)))
+        t.start()
+        t.join()
+    assert kept == [a]  # this thread's, kept; the other thread's passed through
+    assert other == [("mem", 2, 32)]
+    assert "memalloc" not in vars(mm) and mm.deferred == 0  # the class's own again
+    assert modes == [2, 1]  # relaxed for the block, then the thread's own mode back
+
+
+def test_numba_keeping_restores_a_patch_it_found(monkeypatch):
+    from jax_overlay.peers import numba as peer
+    monkeypatch.setattr(_base.ext, "exchange_capture_mode", lambda mode: 1)
+
+    class Context:
+        memory_manager = _Memory()
+    mm = Context.memory_manager
+
+    def theirs(size):
+        return ("theirs", size)
+    mm.memalloc = theirs
+    kept: list = []
+    with peer._keeping(Context, kept):
+        mm.memalloc(8)
+    assert kept == [("theirs", 8)] and mm.memalloc is theirs
+
+
+def test_vjp_function_with_replay():
+    f = jax_overlay.foreign(lambda x: x ** 2, framework="numpy",
+                            result_shape_dtypes=lambda x: x, replay=True,
+                            vjp=lambda x, ct: 2 * x * ct)
+    g = jax.jit(jax.grad(lambda x: f(x).sum()))(on_cpu(jnp.arange(3.0)))
+    np.testing.assert_array_equal(np.asarray(g), [0.0, 2.0, 4.0])
+
+
+def test_autograd_with_replay_recomputes():
+    torch = pytest.importorskip("torch")
+    runs = []
+
+    def fn(x):
+        runs.append(1)
+        return (torch.sin(x) ** 2).sum()
+    scalar = jax.ShapeDtypeStruct((), np.float32)
+    f = jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=scalar,
+                            vjp="autograd", replay=True)
+    x = on_cpu(jnp.linspace(0, 1, 8, dtype=jnp.float32))
+    v, g = jax.jit(jax.value_and_grad(f))(x)
+    np.testing.assert_allclose(float(v), (np.sin(np.asarray(x)) ** 2).sum(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g), np.sin(2 * np.asarray(x)), rtol=1e-5)
+    # The forward call, then the backward call running fn again: no graph
+    # kept (a replayed trace could not find it).
+    assert len(runs) == 2
+    assert f.saved.waiting() == 0
