@@ -12,6 +12,10 @@ waited for (its new parameters ready), one step at a time:
                     graph kept for the backward call (the default)
   foreign recompute the same, recompute=True: the backward call runs the
                     model again under autograd
+  foreign replay    the same, replay=True: forward and backward traced into
+                    XLA's command buffer and replayed without Python (it
+                    needs XLA_FLAGS=--xla_gpu_graph_min_graph_size=1, set
+                    for the whole run, every case, when the flag is absent)
   torch2jax         wrap_torch2jax.torch2jax of the model, where it installs
 Reported: µs per step, median over rounds, and per round each case's ratio
 to torch eager and to jax, medians over rounds.
@@ -27,6 +31,11 @@ CPU tensors), where it is a check of the script, not a measurement.
 from __future__ import annotations
 
 import os
+
+if "graph_min_graph_size" not in os.environ.get("XLA_FLAGS", ""):
+    # Before jax loads: XLA reads its flags once.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_graph_min_graph_size=1").strip()
 
 import harness  # first: XLA's allocator setting, before jax loads
 
@@ -71,12 +80,16 @@ def cases(batch, features, hidden, check):
                                 vjp="autograd")
     redo = jax_overlay.foreign(torch_mlp, framework="torch", result_shape_dtypes=spec,
                                vjp="autograd", recompute=True)
+    replay = jax_overlay.foreign(torch_mlp, framework="torch", result_shape_dtypes=spec,
+                                 vjp="autograd", replay=True)
     out = {CONTROL: torch_eager, "jax": jax_arm(sgd(jax_mlp)),
-           "foreign saved": jax_arm(sgd(saved)), "foreign recompute": jax_arm(sgd(redo))}
+           "foreign saved": jax_arm(sgd(saved)), "foreign recompute": jax_arm(sgd(redo)),
+           "foreign replay": jax_arm(sgd(replay))}
     # One step of each from the same parameters: the same loss and update.
     with jax.default_matmul_precision("highest" if check else None):
         want = sgd(jax_mlp)(x, *p0)
-    for name, loss in (("foreign saved", saved), ("foreign recompute", redo))[:2 * check]:
+    for name, loss in (("foreign saved", saved), ("foreign recompute", redo),
+                       ("foreign replay", replay))[:3 * check]:
         got = sgd(loss)(x, *p0)
         np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-3, err_msg=name)
         for a, b in zip(got[1], want[1]):
@@ -116,7 +129,7 @@ def main():
     res["samples"] = samples
     meta = harness.meta()
     env = (f"{meta.get('device')}, jax {jax.__version__}, torch {torch.__version__}, "
-           f"Python {meta['python']}")
+           f"Python {meta['python']}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     lo, hi = res["control_range_us"]
     text = "\n".join([
         f"# MLP {features}-{hidden}-10 training step (value_and_grad + SGD, batch {batch}, "

@@ -31,6 +31,12 @@
 #                                 tests/gpu/test_foreign_saved_graph_gpu.py,
 #                                 the autograd tests of test_foreign_gpu.py,
 #                                 benchmarks/bench_train_step.py
+#   bash tools/gpu_session.sh 7   foreign replay: tests/gpu/test_foreign_replay_gpu.py
+#                                 (NumPy 2.4.6 first on the path, for Numba),
+#                                 benchmarks/bench_replay.py (torch2jax
+#                                 installed from build/wheels) and
+#                                 bench_train_step.py, then the interprocess
+#                                 tests (IPC=0 skips them)
 #   bash tools/gpu_session.sh 4 K the long run only, from case 10^6 K, for
 #                                 about 8 minutes (K = 1, 2, ... until the
 #                                 JSONs add up to 10^5 cases or more)
@@ -51,7 +57,7 @@ case "${1:-}" in
   # step 5: this call's 270 s are nearly spent without them.
   DOCTOR=${DOCTOR:-1} TEST_TIMEOUT=${TEST_TIMEOUT:-270} DOCTOR_TIMEOUT=100 NUMBA_NUMPY_WHEEL=$W OUT=$O \
     bash tools/gpu_suite.sh tests/gpu --ignore=tests/gpu/test_fuzz_dropin_gpu.py \
-    --ignore=tests/gpu/test_ipc_gpu.py \
+    --ignore=tests/gpu/test_ipc_gpu.py --ignore=tests/gpu/test_foreign_replay_gpu.py \
     tests/cpu/test_dropin_torch.py tests/cpu/test_foreign_torch.py >"$O/suite.txt" 2>&1
   echo "suite exit status $?" | tee -a "$O/suite.txt"; tarball
   grep -E "passed|failed" "$O/suite.txt" | tail -4
@@ -63,7 +69,7 @@ case "${1:-}" in
     >"$O/release.txt" 2>&1
   echo "release probe exit status $?"; cat "$O/release.txt"
   ;;
-2|3|4|5|6)
+2|3|4|5|6|7)
   JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
   export PYTHONPATH=$PWD
   ;;&
@@ -148,5 +154,26 @@ case "${1:-}" in
     --shape 16384,1024,4096 --out "$O" >>"$O/train-step.log" 2>&1
   echo "large train step bench exit status $?"; grep -v Warning "$O/train-step.log" | tail -20
   ;;
-*) echo "usage: $0 1|2|3|4|5|6 [K]" >&2; exit 2 ;;
+7)
+  NP=$(mktemp -d); T2J=$(mktemp -d)
+  [ -n "$W" ] && "$PY" -m pip install -q --no-deps --no-index --target "$NP" "$W"
+  "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/replay-tests.txt"
+  PYTHONPATH=$NP:$PWD timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs -s \
+    tests/gpu/test_foreign_replay_gpu.py tests/cpu/test_foreign_replay.py >>"$O/replay-tests.txt" 2>&1
+  echo "replay tests exit status $?" | tee -a "$O/replay-tests.txt"
+  grep -E "^\{|passed|failed|^E " "$O/replay-tests.txt" | cut -c1-400 | tail -30; tarball
+  (cd benchmarks && PYTHONPATH=$NP:$PWD/..:$T2J timeout 150 "$PY" bench_replay.py \
+    --rounds "${ROUNDS:-7}" --calls 200 --out "$O" >"$O/replay-bench.log" 2>&1)
+  echo "replay bench exit status $?"; cat "$O/replay-bench.txt" 2>/dev/null || tail -20 "$O/replay-bench.log"; tarball
+  (cd benchmarks && PYTHONPATH=$PWD/..:$T2J timeout 90 "$PY" bench_train_step.py \
+    --rounds "${ROUNDS:-7}" --calls 100 --out "$O" >"$O/train-step.log" 2>&1)
+  echo "train step bench exit status $?"; cat "$O/train-step.txt" 2>/dev/null; tarball
+  if [ "${IPC:-1}" != 0 ]; then
+    timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_ipc_gpu.py \
+      tests/cpu/test_ipc.py tests/cpu/test_ipc_leases.py >"$O/ipc-tests.txt" 2>&1
+    echo "ipc tests exit status $?" | tee -a "$O/ipc-tests.txt"; tail -4 "$O/ipc-tests.txt"
+  fi
+  ;;
+*) echo "usage: $0 1|2|3|4|5|6|7 [K]" >&2; exit 2 ;;
 esac
