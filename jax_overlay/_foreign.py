@@ -25,6 +25,7 @@ an error that says to copy what is kept.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import threading
@@ -168,19 +169,18 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False):
             stream, state = adapter.enter(ctx, ordinal, traced)
             stack.append(stream)
             try:
+                scope = _NOT_TRACED
                 if traced:
                     key = (ordinal, *(buffer_facts(b)[0] for b in (outs or args)))
-                    with adapter.capture(kept.setdefault(key, [])):
-                        _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream,
-                             tokens)
-                else:
+                    scope = adapter.capture(kept.setdefault(key, []))
+                with scope:
                     _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens)
             finally:
                 stack.pop()
                 adapter.exit(state)
         except ForeignError as e:
             if traced:
-                raise ForeignError(f"{e}{_while_traced()}") from e
+                raise ForeignError(f"{e}{_WHILE_TRACED}") from e
             raise
         except Exception as e:
             # XLA reports it as its runtime error, with this message and the
@@ -188,7 +188,7 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False):
             # Its class and message first: that is the line a reader needs.
             raise ForeignError(
                 f"{type(e).__qualname__}: {e} (raised by the foreign function "
-                f"{getattr(fn, '__qualname__', fn)!r}{_while_traced() if traced else ''})") from e
+                f"{getattr(fn, '__qualname__', fn)!r}{_WHILE_TRACED if traced else ''})") from e
         for t in tokens:
             if t() is not None:
                 _kept(tokens)
@@ -202,12 +202,13 @@ def _capturing(ordinal, ctx):
     return ext.capture_status(ordinal, ctx.stream) != 0
 
 
-def _while_traced():
-    return ("; it ran while XLA traced it into a CUDA graph (foreign(..., replay=True)), "
-            "where fn may not wait for the GPU on the host (.item(), .cpu(), .tolist(), "
-            "printing values, a shape that depends on values), launch on a stream other than "
-            "XLA's (jax_overlay.foreign_stream()), or use a library that refuses stream "
-            "capture: make fn capturable, or pass replay=False")
+_NOT_TRACED = contextlib.nullcontext()  # reusable: it holds no state
+_WHILE_TRACED = (
+    "; it ran while XLA traced it into a CUDA graph (foreign(..., replay=True)), where fn "
+    "may not wait for the GPU on the host (.item(), .cpu(), .tolist(), printing values, a "
+    "shape that depends on values), launch on a stream other than XLA's "
+    "(jax_overlay.foreign_stream()), or use a library that refuses stream capture: make fn "
+    "capturable, or pass replay=False")
 
 
 def _kept(tokens):
