@@ -199,7 +199,7 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False):
 def _capturing(ordinal, ctx):
     """Whether XLA's stream is being captured into a CUDA graph: this call
     is a trace, and what fn enqueues is recorded, not run."""
-    return ext.capture_status(ordinal, ctx.stream) != 0
+    return ext.capture_status(ordinal, ctx.stream) != ext.CAPTURE_NONE
 
 
 _NOT_TRACED = contextlib.nullcontext()  # reusable: it holds no state

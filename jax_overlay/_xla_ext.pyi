@@ -174,6 +174,8 @@ FLAG_IS_COPIED: int
 TESTING: bool
 GPU_ALIGNMENT: int
 HANDLE_POSIX_FD: int
+CAPTURE_NONE: int
+CAPTURE_RELAXED: int
 
 # What the module was built from (jax_overlay/_version.py, xla_ext/build_info.py).
 VERSION: str

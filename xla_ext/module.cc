@@ -733,6 +733,10 @@ PYBIND11_MODULE(_xla_ext, m) {
   // The one statement of the rule; Python reads it from here.
   m.attr("GPU_ALIGNMENT") = kGpuAlignment;
   m.attr("HANDLE_POSIX_FD") = ipc::kHandlePosixFd;
+  // capture_status's "not capturing", and exchange_capture_mode's relaxed
+  // mode: the driver's values, named once (cuda_driver.h).
+  m.attr("CAPTURE_NONE") = cuda::kCaptureNone;
+  m.attr("CAPTURE_RELAXED") = cuda::kCaptureRelaxed;
 
   // What this module was built from, compared at import with the Python
   // package and the running jaxlib (jax_overlay/_native.py).

@@ -230,7 +230,7 @@ def relaxed_capture():
     allocate device memory (cuMemAlloc) while XLA's stream is captured.
     XLA captures in a mode that refuses it; synchronisations stay refused
     in every mode."""
-    previous = ext.exchange_capture_mode(2)
+    previous = ext.exchange_capture_mode(ext.CAPTURE_RELAXED)
     try:
         yield
     finally:
