@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import os
 
-if "graph_min_graph_size" not in os.environ.get("XLA_FLAGS", ""):
-    # Before jax loads: XLA reads its flags once.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_graph_min_graph_size=1").strip()
+import harness  # first: XLA's allocator setting, before jax loads
 
-import harness  # noqa: E402 - XLA's allocator setting, before jax loads
+harness.graph_small_programs()  # before jax loads, too
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -32,21 +32,18 @@ from __future__ import annotations
 
 import os
 
-if "graph_min_graph_size" not in os.environ.get("XLA_FLAGS", ""):
-    # Before jax loads: XLA reads its flags once.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_graph_min_graph_size=1").strip()
-
 import harness  # first: XLA's allocator setting, before jax loads
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import torch
+harness.graph_small_programs()  # before jax loads, too
 
-import jax_overlay
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-from jax_overlay.doctor.workloads import LR, jax_mlp, mlp_params, sgd, torch_mlp
+import jax_overlay  # noqa: E402
+
+from jax_overlay.doctor.workloads import LR, jax_mlp, mlp_params, sgd, torch_mlp  # noqa: E402
 
 CONTROL = "torch eager"
 

@@ -39,6 +39,18 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+
+
+def graph_small_programs():
+    """Adds --xla_gpu_graph_min_graph_size=1 to XLA_FLAGS unless a minimum is
+    set: XLA then puts programs of any size into command buffers, which
+    foreign(..., replay=True) needs.  Call it before jax loads (XLA reads
+    its flags once); it applies to every case of the run."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "graph_min_graph_size" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_graph_min_graph_size=1").strip()
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ALLOCATOR_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR",
