@@ -193,13 +193,17 @@ def cai_dict(obj):
             "PyTorch or another producer of the CUDA Array Interface") from None
 
 
-def _compute_waits(view, ordinal, device):
-    """Makes JAX's compute stream wait, on the GPU, for the work already
-    enqueued on the producer's stream.  jaxlib's import (without a stream)
-    then records the array's definition event on that same stream, behind
-    the wait: the array is defined only once the producer is done, and no
-    host thread ever waits for it."""
-    ext.order_after(ordinal, view.stream, rt.compute_stream(device))
+def _ordered_stream(plan, device):
+    """The stream jaxlib's import is handed: None for a producer whose
+    stream is idle (its data is written), else a ready stream made to wait,
+    on the GPU, for the work already enqueued on the producer's stream
+    (_runtime.ready_stream): the array is defined only once the producer is
+    done, for every reader, and no host thread waits for it."""
+    if not plan.busy:
+        return None
+    stream = rt.ready_stream(device)
+    ext.order_after(plan.ordinal, plan.view.stream, stream)
+    return stream
 
 
 def _empty(view, host):
@@ -231,11 +235,11 @@ def import_cai(obj, cai=None, *, copy=None, host=False):
     if plan.capsule is None and view.numel == 0:
         return _empty(view, host), False
     device = rt.host_device() if host else rt.gpu_device(plan.ordinal)
-    if plan.busy:
-        _compute_waits(view, plan.ordinal, device)
+    stream = _ordered_stream(plan, device)
     if plan.capsule is not None:
-        arr = _view.import_view(plan.capsule, device, False if copy is False else None, dl_type)
+        arr = _view.import_view(plan.capsule, device, False if copy is False else None, dl_type,
+                                stream)
         return arr, dl_type == _view.KDLCUDAHOST and not rt.PINNED_VIEW
     return _view.copy_import(obj, view, view.typestr, dl_type, plan.ordinal, device,
                              alignment=plan.alignment, copy=copy,
-                             range_start=plan.range_start), True
+                             range_start=plan.range_start, stream=stream), True

@@ -507,26 +507,25 @@ _gpu_targets: dict[int, tuple] = {}
 
 
 def _gpu_target(dl_id):
-    """(JAX device, XLA's compute stream, whether the producer's device must
-    be made current for its __dlpack__) of CUDA device `dl_id`, cached.  With
-    one GPU it is current whenever any is."""
+    """(JAX device, whether the producer's device must be made current for
+    its __dlpack__) of CUDA device `dl_id`, cached.  With one GPU it is
+    current whenever any is."""
     target = _gpu_targets.get(dl_id)
     if target is None:
-        device = rt.gpu_device(dl_id)
-        target = _gpu_targets[dl_id] = (device, rt.compute_stream(device),
-                                        ext.device_count() > 1)
+        target = _gpu_targets[dl_id] = (rt.gpu_device(dl_id), ext.device_count() > 1)
     return target
 
 
 def _producer_stream(dl_type, dl_id):
-    """The consumer stream handed to the producer.  For GPU memory it is
-    XLA's compute stream: the producer makes it wait for its pending work,
-    and jaxlib's import then records the array's definition event behind
-    that wait, so the host never waits (see _runtime.compute_stream).
-    Pinned and CPU producers get None: PyTorch's pinned tensors go through
-    its CPU __dlpack__, which rejects a stream."""
+    """The consumer stream handed to the producer, and then to jaxlib's
+    import.  For GPU memory it is a ready stream (_runtime.ready_stream):
+    the producer makes it wait for its pending work, and jaxlib records the
+    array's definition event on it behind that wait, so every reader waits
+    and the host never does (stock jax.dlpack.from_dlpack's route).  Pinned
+    and CPU producers get None: PyTorch's pinned tensors go through its CPU
+    __dlpack__, which rejects a stream."""
     if dl_type == KDLCUDA or dl_type == KDLCUDAMANAGED:
-        return _gpu_target(dl_id)[1]
+        return rt.ready_stream(_gpu_target(dl_id)[0])
     return None
 
 
@@ -538,9 +537,9 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None, resolve=No
     `host_device`: the CPU device that views host memory (kDLCPU), which
     belongs to no device in particular; default the CPU device of the
     producer's id, as stock places it."""
-    resolved = False
+    resolved, stream = False, None
     if type(x) is CapsuleType:
-        cap = x
+        cap = x  # the protocol's raw capsule: its data is written
     else:
         if advertised is None:
             device = getattr(x, "__dlpack_device__", None)
@@ -559,7 +558,7 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None, resolve=No
         if resolve is not None:
             x, resolved = resolve(x, copy)
         stream = _producer_stream(*advertised)
-        if stream is None or not _gpu_target(advertised[1])[2]:
+        if stream is None or not _gpu_target(advertised[1])[1]:
             cap = _request(x, stream, copy)
         else:
             # The producer's device is made current for the call: PyTorch's
@@ -610,11 +609,11 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None, resolve=No
     if view.layout != "strided" and view.data % alignment == 0:
         # On the host jaxlib copies unaligned memory itself unless told not to.
         jax_copy = False if copy is False and jax_type != KDLCUDA else None
-        arr = _view.import_view(cap, device, jax_copy, jax_type)
+        arr = _view.import_view(cap, device, jax_copy, jax_type, stream)
         pinned_copy = jax_type == KDLCUDAHOST and not rt.PINNED_VIEW
         return arr, copied or pinned_copy
     out = _view.copy_import(cap, view, dtype, jax_type, dl_id if dl_type != KDLCPU else 0,
-                            device, alignment=alignment, copy=copy)
+                            device, alignment=alignment, copy=copy, stream=stream)
     return out, True
 
 

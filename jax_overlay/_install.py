@@ -164,10 +164,18 @@ def _device_alias(view):
     if ptr % _view.GPU_ALIGNMENT:
         return None
     device = next(iter(view.devices()))
+    stream = None
+    if not view.is_ready():
+        # The alias is defined after the pinned array, for every reader.
+        stream = rt.ready_stream(device)
+        try:
+            rt.order_stream_after(view, stream)  # the wait is enqueued; the capsule may go
+        except Exception:  # noqa: BLE001 - a jaxlib that exports no pinned array to a stream
+            view.block_until_ready()
     cap = ext.raw_capsule(view, ptr, list(view.shape), None,
                           _dlpack.dtype_code(view.dtype), _view.KDLCUDA,
                           device.local_hardware_id)
-    return _view.import_view(cap, device, None, _view.KDLCUDA)
+    return _view.import_view(cap, device, None, _view.KDLCUDA, stream)
 
 
 def _platform(device):

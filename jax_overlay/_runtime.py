@@ -155,16 +155,9 @@ _cpu_devices: dict[int, object] = {}
 
 def compute_stream(device) -> int:
     """XLA's compute stream on `device`, read once through buffer_callback's
-    execution context.
-
-    Imports are ordered by making this stream wait for the producer: the
-    import's own definition event is then recorded behind that wait, so every
-    JAX consumer (computations, transfers) sees the data only after the
-    producer's work, and PJRT never waits on the host.  (PJRT's
-    external-ready streams are the documented alternative, but on jaxlib
-    0.11.2 the 57th import pending behind one busy producer blocked the host
-    until the producer was done.)  The price is that later JAX work on
-    this device also waits, on the GPU, for the producer's pending work."""
+    execution context: the stream foreign code runs on, and the one the
+    producers of the tests and the doctor hold busy.  Imports are not
+    ordered on it (ready_stream says why)."""
     s = _compute_streams.get(device)
     if s is None:
         import numpy as np
@@ -188,6 +181,24 @@ def compute_stream(device) -> int:
             raise BufferError(f"could not read XLA's compute stream on {device}")
         s = _compute_streams[device] = seen[0]
     return s
+
+
+def ready_stream(device) -> int:
+    """The stream an import of a producer still writing is ordered on: one
+    of PJRT's external-ready streams (jaxlib hands them out round-robin), as
+    stock jax.dlpack.from_dlpack does.  The caller makes it wait for the
+    producer with an event and hands it to jaxlib's import (capsule_to_array),
+    which records the array's definition event on it behind that wait.
+    Every reader waits for that event: computations, np.asarray (PJRT's
+    device-to-host streams), copies to other memories, exports.
+
+    Making XLA's compute stream wait and importing with no stream, as
+    jax_overlay did before, orders computations only: the jaxlib of jax
+    0.11.2 gives a stream-less view no definition event, so a host read ran
+    on a device-to-host stream at once and read the producer's memory
+    before its kernel wrote it (issue 39;
+    benchmarks/results/h200-2026-12-05-hostread-probe.txt)."""
+    return int(device.get_stream_for_external_ready_events())
 
 
 def order_stream_after(x, stream: int):

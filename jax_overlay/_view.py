@@ -38,14 +38,17 @@ def empty(shape, dtype, target):
         return rt.device_put(np.empty(shape, dtype), target)
 
 
-def import_view(cap, device, copy, dl_type):
+def import_view(cap, device, copy, dl_type, stream=None):
     """jaxlib's import of a capsule a view can hold, for every import path.
+    `stream`: None where the producer's data is written, else the ready
+    stream (_runtime.ready_stream) already made to wait for the producer:
+    the array's definition event is recorded on it, so every reader waits.
     Its own refusals come back as jaxlib's runtime error: the two a
     producer's tensor can cause become the BufferError the protocols ask
     for (jaxlib views host memory only when 64-byte aligned, so copy=False
     on a less aligned host array is one of them)."""
     try:
-        return rt.capsule_to_array(cap, device, None, copy, dl_type)
+        return rt.capsule_to_array(cap, device, stream, copy, dl_type)
     except Exception as e:  # jaxlib's runtime error type
         if "aligned" in str(e):
             # Stock JAX's words and class (ValueError), and the protocol's.
@@ -61,13 +64,14 @@ def import_view(cap, device, copy, dl_type):
 
 
 def copy_import(owner, view, dtype, dl_type, ordinal, device, *, alignment, copy,
-                range_start=0):
+                range_start=0, stream=None):
     """One copy on the same device of an array no view can hold (strided, or
     a misaligned pointer), for every import path: the producer's memory
     (`view`, an ArrayView) is viewed as one zero-copy envelope that holds
     `owner` alive, and one XLA gather writes the compact result.  `dtype`:
     a NumPy dtype or type string (bfloat16 and float8 have no string).
-    `range_start`: the allocation's start, where already known.
+    `range_start`: the allocation's start, where already known.  `stream`:
+    import_view's (the gather reads the envelope only after the producer).
     BufferError when copy=False."""
     data, shape, strides, layout = view.data, view.shape, view.strides, view.layout
     # A misaligned compact GPU array with copy=False: stock JAX returns a
@@ -96,7 +100,7 @@ def copy_import(owner, view, dtype, dl_type, ordinal, device, *, alignment, copy
     # else bytes (DLPack's code, bits, lanes; no string names bfloat16).
     cap = ext.raw_capsule(owner, base, [count], None,
                           view.dtype if unit == itemsize else "|u1", dl_type, ordinal)
-    envelope = rt.capsule_to_array(cap, device, None, None, dl_type)
+    envelope = rt.capsule_to_array(cap, device, stream, None, dl_type)
     pinned = dl_type == KDLCUDAHOST
     if pinned:
         # XLA computes on device memory: move the envelope once, gather there,

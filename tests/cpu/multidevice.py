@@ -176,10 +176,19 @@ class FakeGpus:
         self.switches, self.owners = [], {}
 
 
+def host_import(real):
+    """jaxlib's import for CPU devices standing in for GPUs: the ready
+    stream a GPU import is ordered on is one the CPU client has no use for
+    (it refuses any), so it is dropped after the caller chose it."""
+    def capsule_to_array(cap, device, stream, copy, dl_type):
+        return real(cap, device, None, copy, dl_type)
+    return capsule_to_array
+
+
 @contextlib.contextmanager
 def cpus_as_gpus():
     """CUDA ordinal k is played by CPU device k: device lookups answer it,
-    XLA's compute stream on device k is the number 1000 + k, the native CAI
+    the ready stream on device k is the number 1000 + k, the native CAI
     plan reads host memory and reports the ordinal its producer names, and
     the device switch around a producer's ``__dlpack__`` is recorded (no
     driver here to switch)."""
@@ -199,7 +208,8 @@ def cpus_as_gpus():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rt, "gpu_device", lambda ordinal: cpus[ordinal])
-        mp.setattr(rt, "compute_stream", lambda device: 1000 + device.id)
+        mp.setattr(rt, "ready_stream", lambda device: 1000 + device.id)
+        mp.setattr(rt, "capsule_to_array", host_import(rt.capsule_to_array))
         mp.setattr(_dlpack, "_gpu_targets", {})
         mp.setattr(ext, "plan_cai_import", plan)
         mp.setattr(ext, "call_on_device", on_device)

@@ -20,6 +20,7 @@ from jax_overlay import _dlpack
 from jax_overlay import _runtime as rt
 import forge as T
 from jax_overlay import _xla_ext as ext
+from multidevice import host_import
 
 CPU = jax.devices("cpu")[0]
 KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED = 1, 2, 3, 13
@@ -43,7 +44,8 @@ def gpu_on_host(monkeypatch):
     """Device lookups for CUDA ordinals answer the CPU device, so the routed
     GPU path runs on host memory; the consumer stream is recorded."""
     monkeypatch.setattr(rt, "gpu_device", lambda ordinal: CPU)
-    monkeypatch.setattr(rt, "compute_stream", lambda device: 12345)
+    monkeypatch.setattr(rt, "ready_stream", lambda device: 12345)
+    monkeypatch.setattr(rt, "capsule_to_array", host_import(rt.capsule_to_array))
     monkeypatch.setattr(_dlpack, "_gpu_targets", {})  # no cached real devices either way
 
 
