@@ -25,8 +25,10 @@ which the kernel closes when the receiver exits or crashes.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import secrets
 import selectors
 import socket
@@ -48,9 +50,11 @@ from ._view import KDLCUDA
 
 # Bumped when a Share's fields or the socket protocol change: a receiver
 # refuses another version by name instead of misreading it.
-SHARE_VERSION = 1
+SHARE_VERSION = 2
 _ALIGN = 256          # each array's offset in a copy=True allocation
 _FDS_PER_MESSAGE = 200  # under the kernel's SCM_MAX_FD (253)
+_CHUNK = 1 << 16        # bytes of the layout per message (SEQPACKET keeps them framed)
+_TOKEN_BYTES = 16
 
 
 def _boot_id() -> str:
@@ -65,34 +69,40 @@ _BOOT_ID = _boot_id()
 
 
 class Share:
-    """A share of a pytree of GPU arrays: small, picklable, and a
+    """A share of a pytree of GPU arrays: a name, small and picklable, and a
     capability (any process of the same user on this machine that holds it
     can map the memory it names; never send it over a network).
+
+    It carries no layout a receiver trusts: the exporter's socket address,
+    the share's id and a random token.  open_shared presents the id and
+    token to the exporter, which answers with the authoritative layout
+    (GPU, event, tree, each array's allocation and offset) and the
+    allocations' descriptors.  Damaged or forged bytes therefore give an
+    exception, never another allocation's memory.
 
     In the exporting process the object also ends the share: ``release()``
     (or its garbage collection, or leaving ``with share(...) as h:``) stops
     new opens, and the arrays are let go once every receiver has let go.
 
-    ``nbytes``: the arrays' bytes.  ``exposed_bytes``: the bytes of the
-    allocations a receiver maps, every JAX buffer in them included.  With
-    XLA's preallocated pool that is the whole pool; ``share(tree,
-    copy=True)`` exposes one dedicated allocation instead."""
+    ``arrays``, ``nbytes``, ``allocations`` (how many), ``exposed_bytes``,
+    ``copied``: what the share holds, for display.  ``exposed_bytes``: the
+    bytes of the allocations a receiver maps, every JAX buffer in them
+    included.  With XLA's preallocated pool that is the whole pool;
+    ``share(tree, copy=True)`` exposes one dedicated allocation instead."""
 
-    __slots__ = ("version", "address", "share_id", "pid", "boot_id", "host", "uuid",
-                 "event", "treedef", "leaves", "allocations", "nbytes", "exposed_bytes",
-                 "copied", "_local", "__weakref__")
+    __slots__ = ("version", "address", "share_id", "token", "pid", "boot_id", "host",
+                 "arrays", "nbytes", "allocations", "exposed_bytes", "copied",
+                 "_local", "__weakref__")
     version: int          # SHARE_VERSION of the exporter's jax_overlay
     address: str          # the exporter's abstract socket
     share_id: int
+    token: bytes          # random, the exporter's: proves the share was handed out
     pid: int              # the exporting process
     boot_id: str          # the kernel's boot id: the machine
     host: str
-    uuid: bytes           # the GPU's
-    event: bytes          # the interprocess event's handle
-    treedef: Any
-    leaves: list          # (allocation index or -1, offset, shape, dtype name) per leaf
-    allocations: list     # (memory block id, bytes) per allocation
+    arrays: int
     nbytes: int
+    allocations: int
     exposed_bytes: int
     copied: bool
     _local: bool          # this object ends the share (the exporter's own)
@@ -103,12 +113,11 @@ class Share:
             setattr(self, k, v)
 
     def __reduce__(self):
-        state = {k: getattr(self, k) for k in self.__slots__[:-2]}
-        return (_rebuild_share, (state,))
+        return (_rebuild_share, (_state(self),))
 
     def __repr__(self):
-        return (f"jax_overlay.Share({len(self.leaves)} arrays, {self.nbytes} bytes in "
-                f"{len(self.allocations)} allocations of {self.exposed_bytes} bytes, "
+        return (f"jax_overlay.Share({self.arrays} arrays, {self.nbytes} bytes in "
+                f"{self.allocations} allocations of {self.exposed_bytes} bytes, "
                 f"process {self.pid}, share {self.share_id}"
                 f"{', copied' if self.copied else ''})")
 
@@ -133,20 +142,70 @@ class Share:
             pass
 
 
+# Each pickled field and the types it may have: a share is read only
+# through these, so damaged bytes are an exception naming the field.
+_FIELDS = {"version": int, "address": str, "share_id": int, "token": bytes, "pid": int,
+           "boot_id": str, "host": str, "arrays": int, "nbytes": int, "allocations": int,
+           "exposed_bytes": int, "copied": bool}
+
+
+def _state(share) -> dict:
+    return {k: getattr(share, k) for k in _FIELDS}
+
+
+class _ShareUnpickler(pickle.Unpickler):
+    """Reads a pickled Share and nothing else: no other global can load."""
+
+    def find_class(self, module, name):
+        if (module, name) == (__name__, "_rebuild_share"):
+            return _rebuild_share
+        raise pickle.UnpicklingError(
+            f"these bytes name {module}.{name}, not a jax_overlay share")
+
+
+def loads(data) -> Share:
+    """The Share pickled in `data` (bytes), read without running anything
+    else the bytes might name: damaged or foreign bytes give an exception
+    (BufferError, or pickle's own for bytes that are no pickle)."""
+    try:
+        share = _ShareUnpickler(io.BytesIO(data)).load()
+    except BufferError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pickle raises many classes on damaged bytes
+        raise BufferError(f"these bytes are not a jax_overlay share ({type(e).__name__}: "
+                          f"{e}); send pickle.dumps(share) of a Share") from None
+    if not isinstance(share, Share):
+        raise BufferError(f"these bytes hold a {type(share).__name__}, not a jax_overlay share")
+    return share
+
+
 def _rebuild_share(state):
-    s = Share(**state)
-    if s.version != SHARE_VERSION:
+    if type(state) is not dict or type(state.get("version")) is not int:
+        raise BufferError("these bytes are not a jax_overlay share (damaged in transit?): "
+                          "send the Share object as jax_overlay pickles it")
+    if state["version"] != SHARE_VERSION:
         raise BufferError(
-            f"this share has format version {s.version}, but this jax_overlay reads "
+            f"this share has format version {state['version']}, but this jax_overlay reads "
             f"version {SHARE_VERSION}: use the same jax_overlay in both processes")
-    return s
+    for k, kind in _FIELDS.items():
+        v = state.get(k)
+        if type(v) is not kind:
+            raise BufferError(
+                f"this share is damaged: its field {k!r} is {type(v).__name__} {v!r:.60}, "
+                f"not {kind.__name__}; send the Share object as jax_overlay pickles it")
+    if len(state) != len(_FIELDS) or len(state["token"]) != _TOKEN_BYTES:
+        raise BufferError("this share is damaged (its fields or token are not a share's): "
+                          "send the Share object as jax_overlay pickles it")
+    return Share(**state)
 
 
 class _Entry:
     """The exporter's record of one share."""
 
-    def __init__(self, tree, keep, ordinal, fds, event, dedicated, holds):
+    def __init__(self, tree, keep, ordinal, fds, event, dedicated, holds, token, layout):
         self.tree = tree            # the original pytree (same-process opens)
+        self.token = token          # the Share's: an open must present it
+        self.layout = layout        # pickled (GPU uuid, event handle, treedef, leaves, allocations)
         self.keep = keep            # jaxlib capsules: PJRT external references
         self.ordinal = ordinal
         self.fds = fds              # one descriptor per allocation
@@ -266,12 +325,13 @@ class _Exporter:
                         self._drop(held[0])
 
     def _answer(self, conn, msg) -> int:
-        """Serves one open; the share's id when the receiver now holds it."""
+        """Serves one open: the layout, then every allocation's descriptor.
+        Returns the share's id when the receiver now holds it."""
         try:
             _, uid, _ = struct.unpack("3i", conn.getsockopt(
                 socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
             req = json.loads(msg)
-            sid, need = int(req["open"]), [int(i) for i in req["need"]]
+            sid, token = int(req["open"]), bytes.fromhex(req["token"])
         except (OSError, ValueError, KeyError, TypeError):
             return 0
         with self.lock:
@@ -283,8 +343,10 @@ class _Exporter:
             elif e is None or e.released:
                 why = (f"share {sid} of process {os.getpid()} was released: make a new share "
                        "in the exporting process")
-            elif any(i < 0 or i >= len(e.fds) for i in need):
-                why = f"share {sid} has {len(e.fds)} allocations; asked for {need}"
+            elif not secrets.compare_digest(token, e.token):
+                why = (f"this share's token does not match share {sid} of process "
+                       f"{os.getpid()}: the share was damaged or forged; send the Share "
+                       "object as jax_overlay pickles it")
             else:
                 e.holds += 1
                 if e.once:  # a one-shot share's pending hold passes to its receiver
@@ -295,11 +357,11 @@ class _Exporter:
                 conn.send(json.dumps({"error": why}).encode())
                 return 0
             assert e is not None  # held: not freed meanwhile
-            fds = [e.fds[i] for i in need]
-            for k in range(0, max(len(fds), 1), _FDS_PER_MESSAGE):
-                chunk = fds[k:k + _FDS_PER_MESSAGE]
-                more = k + _FDS_PER_MESSAGE < len(fds)
-                socket.send_fds(conn, [json.dumps({"ok": True, "more": more}).encode()], chunk)
+            conn.send(json.dumps({"ok": True, "size": len(e.layout), "fds": len(e.fds)}).encode())
+            for k in range(0, len(e.layout), _CHUNK):
+                conn.send(e.layout[k:k + _CHUNK])
+            for k in range(0, len(e.fds), _FDS_PER_MESSAGE):
+                socket.send_fds(conn, [b"fds"], e.fds[k:k + _FDS_PER_MESSAGE])
             return sid
         except OSError:  # the receiver went away mid-answer
             if why is None:
@@ -471,15 +533,25 @@ def _share(tree, *, copy, once):
         if dedicated is not None:
             ext.unmap(ordinal, dedicated[0], dedicated[1], True)
         raise
-    entry = _Entry(tree, keep, ordinal, fds, event, dedicated, holds=1)
+    # What receivers are told over the socket, never read from the Share.
+    layout = pickle.dumps((ext.device_uuid(ordinal), event_handle, treedef,
+                           [(i, off, tuple(x.shape), x.dtype.name)
+                            for (i, off), x in zip(spots, leaves)], allocs))
+    return _publish(_Entry(tree, keep, ordinal, fds, event, dedicated, 1,
+                           secrets.token_bytes(_TOKEN_BYTES), layout), once,
+                    arrays=len(leaves), nbytes=nbytes, allocations=len(allocs),
+                    exposed_bytes=sum(size for _, size in allocs), copied=bool(copy))
+
+
+def _publish(entry, once, **what) -> Share:
+    """Registers `entry` with this process's server and names it: the
+    Share.  `what`: the Share's descriptive fields."""
     entry.once = once
+    _EXPORTER.start()
     sid = _EXPORTER.add(entry)
     h = Share(version=SHARE_VERSION, address=_EXPORTER.address, share_id=sid,
-              pid=os.getpid(), boot_id=_BOOT_ID, host=socket.gethostname(),
-              uuid=ext.device_uuid(ordinal), event=event_handle, treedef=treedef,
-              leaves=[(i, off, tuple(x.shape), x.dtype.name) for (i, off), x in zip(spots, leaves)],
-              allocations=allocs, nbytes=nbytes,
-              exposed_bytes=sum(size for _, size in allocs), copied=bool(copy))
+              token=entry.token, pid=os.getpid(), boot_id=_BOOT_ID,
+              host=socket.gethostname(), **what)
     h._local = not once  # a one-shot share ends with its first receiver
     return h
 
@@ -530,15 +602,16 @@ class _Opened:
             pass
 
 
-def _request(share, need):
-    """(connection, descriptors): asks the exporter for `share` and the
-    descriptors of its allocations `need`; the open connection is the
-    receiver's hold on the share from then on."""
+def _request(share):
+    """(connection, layout, descriptors): presents `share`'s id and token to
+    its exporter, which answers with the share's layout and one descriptor
+    per allocation; the open connection is the receiver's hold on the share
+    from then on.  The layout is the exporter's, never the share's bytes."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.settimeout(config.share_timeout_s)
     try:
         conn.connect(share.address)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a NUL where the kernel takes none
         conn.close()
         raise BufferError(
             f"the exporting process (pid {share.pid}) no longer serves its shares ({e}): it "
@@ -546,18 +619,34 @@ def _request(share, need):
             "memory); make a new share in a live process") from None
     fds: list[int] = []
     try:
-        conn.send(json.dumps({"open": share.share_id, "need": need}).encode())
-        while True:
-            msg, got, _, _ = socket.recv_fds(conn, 65536, _FDS_PER_MESSAGE)
-            fds.extend(got)
-            reply = json.loads(msg) if msg else {"error": "the exporter closed the connection"}
-            if "error" in reply or not reply.get("more"):
-                break
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid != os.getuid():  # only a process of this user may tell us a layout
+            raise BufferError(
+                f"the process serving {share.address!r} runs as user {uid}, this one as "
+                f"user {os.getuid()}: shares open only between processes of one user")
+        conn.send(json.dumps({"open": share.share_id, "token": share.token.hex()}).encode())
+        head = conn.recv(_CHUNK)
+        reply = json.loads(head) if head else {"error": "the exporter closed the connection"}
         if "error" in reply:
             raise BufferError(reply["error"])
-        if len(fds) != len(need):
-            raise BufferError(f"the exporter sent {len(fds)} descriptors for {len(need)} "
-                              "allocations")
+        size, count = int(reply["size"]), int(reply["fds"])
+        data = bytearray()
+        while len(data) < size:
+            part = conn.recv(_CHUNK)
+            if not part:
+                raise BufferError("the exporter closed the connection mid-answer")
+            data += part
+        while len(fds) < count:
+            _, got, _, _ = socket.recv_fds(conn, 16, _FDS_PER_MESSAGE)
+            if not got:
+                raise BufferError("the exporter closed the connection mid-answer")
+            fds.extend(got)
+        # From a process of this user that knew the share's token: its own.
+        layout = pickle.loads(bytes(data))
+        if len(fds) != len(layout[4]):
+            raise BufferError(f"the exporter sent {len(fds)} descriptors for "
+                              f"{len(layout[4])} allocations")
     except TimeoutError:
         for fd in fds:
             os.close(fd)
@@ -572,7 +661,7 @@ def _request(share, need):
         conn.close()
         raise
     conn.settimeout(None)  # from here on it only marks the hold
-    return conn, fds
+    return conn, layout, fds
 
 
 def _ordinal_of(uuid: bytes) -> int:
@@ -588,17 +677,23 @@ def _ordinal_of(uuid: bytes) -> int:
 _FRAMEWORKS = ("jax", "torch", "cupy")
 
 
-def open_shared(share: Share, *, framework: str = "jax") -> Any:
-    """The pytree of a :class:`Share`, zero-copy on the same GPU:
+def open_shared(share: Share | bytes, *, framework: str = "jax") -> Any:
+    """The pytree of a :class:`Share` (or of ``pickle.dumps(share)``, read
+    without running anything else the bytes might name), zero-copy on the
+    same GPU:
     ``jax.Array``s (``framework="jax"``), or PyTorch tensors
     (``"torch"``) or CuPy arrays (``"cupy"``) for a process with no use
-    for JAX.  Ordered after the exporter's pending writes on the GPU: JAX
-    arrays through JAX's compute stream, tensors through the framework's
-    current stream.  The exporter's memory stays held while any opened
-    array lives.  In the exporting process itself: the original arrays."""
+    for JAX.  Ordered after the exporter's pending writes on the GPU, for
+    every read: JAX arrays are defined after them (host reads and
+    computations alike), tensors are ordered on the framework's current
+    stream.  The exporter's memory stays held while any opened array
+    lives.  In the exporting process itself: the original arrays."""
+    if isinstance(share, (bytes, bytearray, memoryview)):
+        share = loads(share)
     if not isinstance(share, Share):
-        raise TypeError(f"open_shared takes a jax_overlay.Share (from jax_overlay.share), "
-                        f"not {type(share).__module__}.{type(share).__qualname__}")
+        raise TypeError(f"open_shared takes a jax_overlay.Share (from jax_overlay.share) or "
+                        f"its pickled bytes, not {type(share).__module__}."
+                        f"{type(share).__qualname__}")
     if framework not in _FRAMEWORKS:
         raise ValueError(f"framework={framework!r}: pass one of {', '.join(map(repr, _FRAMEWORKS))}")
     if share.boot_id != _BOOT_ID or (not share.boot_id and share.host != socket.gethostname()):
@@ -608,47 +703,45 @@ def open_shared(share: Share, *, framework: str = "jax") -> Any:
             "values instead (jax.device_get, then pickle)")
     if share.pid == os.getpid() and share.address == _EXPORTER.address:
         return _same_process(share, framework)
-    ordinal = _ordinal_of(share.uuid)
-    mappings: list[Any] = [None] * len(share.allocations)
-    with _mappings_lock:
-        need = []
-        for i, (block, size) in enumerate(share.allocations):
-            m = _mappings.get((share.address, block, size)) if block else None
-            if m is None:
-                need.append(i)
-            else:
-                mappings[i] = m
-        conn, fds = _request(share, need)
-        try:
-            for i, fd in zip(need, fds):
-                block, size = share.allocations[i]
-                m = _Mapping(ordinal, ext.map_fd(ordinal, fd, size), size)
-                mappings[i] = m
-                if block:
-                    _mappings[(share.address, block, size)] = m
-        except BaseException:
-            conn.close()
-            raise
-        finally:
-            for fd in fds:
-                os.close(fd)
+    conn, layout, fds = _request(share)
+    uuid, event, treedef, leaves, allocations = layout
+    mappings: list[Any] = []
+    try:
+        ordinal = _ordinal_of(uuid)
+        with _mappings_lock:
+            for (block, size), fd in zip(allocations, fds):
+                m = _mappings.get((share.address, block, size)) if block else None
+                if m is None:
+                    m = _Mapping(ordinal, ext.map_fd(ordinal, fd, size), size)
+                    if block:
+                        _mappings[(share.address, block, size)] = m
+                mappings.append(m)
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        for fd in fds:  # mapped (the mapping holds the memory) or already mapped
+            os.close(fd)
     opened = _Opened(conn, mappings)
     if framework == "jax":
-        return _open_jax(share, opened, ordinal)
-    return _open_peer(share, opened, ordinal, framework)
+        return _open_jax(event, treedef, leaves, opened, ordinal)
+    return _open_peer(share, event, treedef, leaves, opened, ordinal, framework)
 
 
 def _dtype(name):
     return np.dtype(jax.numpy.dtype(name))
 
 
-def _open_jax(share, opened, ordinal):
+def _open_jax(event, treedef, leaves, opened, ordinal):
     device = rt.gpu_device(ordinal)
-    # JAX's compute stream waits on the GPU for the exporter's event; each
-    # import's definition event is then recorded behind that wait.
-    ext.wait_ipc_event(ordinal, share.event, rt.compute_stream(device))
+    # A ready stream waits on the GPU for the exporter's event, and each
+    # import's definition event is recorded on it behind that wait: every
+    # reader of the arrays (computations, np.asarray, copies) waits for the
+    # exporter's writes (_runtime.ready_stream).
+    stream = rt.ready_stream(device)
+    ext.wait_ipc_event(ordinal, event, stream)
     out = []
-    for i, off, shape, name in share.leaves:
+    for i, off, shape, name in leaves:
         dtype = _dtype(name)
         if i < 0:
             out.append(_view.empty(shape, dtype, device))
@@ -656,23 +749,23 @@ def _open_jax(share, opened, ordinal):
         # The capsule holds `opened` until JAX frees the array.
         cap = ext.raw_capsule(opened, opened.mappings[i].va + off, shape, None,
                               dtype_code(dtype), KDLCUDA, ordinal)
-        out.append(_view.import_view(cap, device, False, KDLCUDA))
-    return jax.tree_util.tree_unflatten(share.treedef, out)
+        out.append(_view.import_view(cap, device, False, KDLCUDA, stream))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _open_peer(share, opened, ordinal, framework):
+def _open_peer(share, event, treedef, leaves, opened, ordinal, framework):
     from . import peers
     peer = peers.REGISTRY[framework]
     opened.sync = ordinal  # the framework frees without waiting for its streams
-    ext.wait_ipc_event(ordinal, share.event, peer.current_stream(ordinal))
+    ext.wait_ipc_event(ordinal, event, peer.current_stream(ordinal))
     out = []
-    for i, off, shape, name in share.leaves:
+    for i, off, shape, name in leaves:
         dtype = _dtype(name)
         ptr = opened.mappings[i].va + off if i >= 0 else 0
         cap = ext.raw_capsule(opened, ptr, shape, None, dtype_code(dtype), KDLCUDA, ordinal)
         out.append(peer.wrap_capsule(cap, ordinal))
-    peer.came_from_share(out, share, [m.va for m in opened.mappings if m is not None])
-    return jax.tree_util.tree_unflatten(share.treedef, out)
+    peer.came_from_share(out, share, [m.va for m in opened.mappings])
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def open_leaf(share: Share, index: int, framework: str) -> Any:
@@ -687,6 +780,9 @@ def _same_process(share, framework):
         if e is None or (e.released and not e.once):
             raise BufferError(f"share {share.share_id} of this process was released: make a "
                               "new share")
+        if not secrets.compare_digest(share.token, e.token):
+            raise BufferError(f"this share's token does not match share {share.share_id} of "
+                              "this process: the share was damaged or forged")
         tree, once = e.tree, e.once
         e.once = False
     if once:  # a one-shot share opened here: its hold ends now

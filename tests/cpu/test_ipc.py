@@ -14,12 +14,13 @@ import pytest
 import jax_overlay
 from jax_overlay import _ipc
 
+from multidevice import check, on, params
+
 
 def a_share(**over):
-    fields = dict(version=_ipc.SHARE_VERSION, address="\0jax_overlay/none", share_id=1, pid=1,
-                  boot_id=_ipc._BOOT_ID, host="here", uuid=b"\1" * 16, event=b"\0" * 64,
-                  treedef=jax.tree_util.tree_structure({"a": 0}), leaves=[(0, 0, (4,), "float32")],
-                  allocations=[(7, 1 << 21)], nbytes=16, exposed_bytes=1 << 21, copied=False)
+    fields = dict(version=_ipc.SHARE_VERSION, address="\0jax_overlay/none", share_id=1,
+                  token=b"\7" * 16, pid=1, boot_id=_ipc._BOOT_ID, host="here", arrays=1,
+                  nbytes=16, allocations=1, exposed_bytes=1 << 21, copied=False)
     fields.update(over)
     return _ipc.Share(**fields)
 
@@ -41,13 +42,21 @@ def test_deleted_array_is_refused():
         jax_overlay.share([x])
 
 
-def test_sharded_array_is_refused_naming_the_shards():
-    if len(jax.devices()) < 2:
-        pytest.skip("needs two CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+@on(2)
+def case_sharded_array_is_refused_naming_the_shards(n):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
     x = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
-    with pytest.raises(BufferError, match="addressable_shards"):
+    with pytest.raises(BufferError, match="sharded over 2 devices.*addressable_shards"):
         jax_overlay.share(x)
+    with pytest.raises(BufferError, match="sharded over 2 devices"):
+        jax_overlay.share({"ok": jax.device_put(jnp.ones(2), jax.devices()[0]), "bad": x})
+
+
+@pytest.mark.parametrize("n,case", params(globals()))
+def test_multidevice(n, case):
+    """Cases that need several devices, each run in a subprocess that has
+    them (multidevice.py)."""
+    check(__file__, n, case)
 
 
 def test_open_shared_argument_checks():
@@ -60,7 +69,9 @@ def test_open_shared_argument_checks():
 def test_share_pickles_and_carries_no_ownership():
     s = a_share()
     s2 = pickle.loads(pickle.dumps(s))
-    assert {k: getattr(s2, k) for k in s.__slots__[:-2]} == {k: getattr(s, k) for k in s.__slots__[:-2]}
+    assert _ipc._state(s2) == _ipc._state(s)
+    assert set(_ipc._state(s)) == set(s.__slots__) - {"_local", "__weakref__"}
+    assert _ipc._state(_ipc.loads(pickle.dumps(s))) == _ipc._state(s)
     assert not s2._local
     s2.release()  # a no-op outside the exporter
     assert "1 arrays, 16 bytes in 1 allocations" in repr(s2)
@@ -69,6 +80,13 @@ def test_share_pickles_and_carries_no_ownership():
 def test_another_format_version_is_refused_by_name():
     with pytest.raises(BufferError, match="format version 99"):
         pickle.loads(pickle.dumps(a_share(version=99)))
+
+
+@pytest.mark.parametrize("field, value", [("share_id", "1"), ("token", b"short"),
+                                          ("address", None), ("copied", 1)])
+def test_a_damaged_field_is_refused_by_name(field, value):
+    with pytest.raises(BufferError, match="damaged"):
+        pickle.loads(pickle.dumps(a_share(**{field: value})))
 
 
 def test_another_machine_is_refused():
