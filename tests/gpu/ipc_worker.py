@@ -68,6 +68,13 @@ def serve(conn, env=None, framework="jax", queue=None):
                 h = _host(x)
                 out = bool(h.min() == h.max() == args[1])
                 del x
+            elif op == "stale_leaves":  # open an in-flight share; how many leaves are not k?
+                tree = jax_overlay.open_shared(args[0], framework=framework)
+                out = 0
+                for x in jax.tree_util.tree_leaves(tree):
+                    h = _host(x)
+                    out += not (h.min() == h.max() == args[1])
+                del tree, x
             elif op == "hold":
                 held.append(jax_overlay.open_shared(args[0], framework=framework))
                 out = len(held)

@@ -15,7 +15,36 @@ import pytest
 # The kernel, the PyTorch sleep and the busy JAX computation live in the
 # package, which the doctor ships; the suite and the benchmarks share them.
 from jax_overlay.doctor.producers import (  # noqa: F401 - re-exported
-    CLOCK_HZ, JAX_N, SPIN_SRC, WithStream, jax_busy, jax_fill, seed, spin_fill, torch_sleep)
+    CLOCK_HZ, JAX_N, SPIN_SRC, WithStream, cycles, jax_busy, jax_fill, seed, spin_fill, torch_sleep)
+
+
+# How long an in-flight producer's kernel runs before it writes, in ms of
+# GPU time (more under load): a half-millisecond producer was done before
+# many reads began, and hid stale host reads on an idle GPU (issue 39).
+INFLIGHT_MS = 2.0
+
+READS = ("host", "computation", "export")
+
+
+def read(x, how):
+    """(min, max) of JAX array `x` read `how`: straight to the host
+    (np.asarray, PJRT's device-to-host stream), by a JAX computation (XLA's
+    compute stream), or exported onward to CuPy by DLPack and reduced
+    there."""
+    if how == "host":
+        h = np.asarray(x)
+        return float(h.min()), float(h.max())
+    if how == "computation":
+        return float(jnp.min(x)), float(jnp.max(x))
+    c = cp.from_dlpack(x)
+    return float(c.min()), float(c.max())
+
+
+def is_stale(x, k):
+    """Whether trial `k`'s import `x` of a producer that wrote k everywhere
+    reads anything else, read the k-th way of READS (trials rotate through
+    the host, a computation and an export)."""
+    return read(x, READS[k % len(READS)]) != (k, k)
 
 
 STREAMS = {

@@ -12,7 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_overlay  # noqa: E402
 
-from producers import spin_fill  # noqa: E402
+from producers import INFLIGHT_MS, cycles, is_stale, spin_fill  # noqa: E402
 
 GPU = jax.devices("cuda")[0]
 TRIALS = 100
@@ -113,9 +113,9 @@ def test_asarray_of_torch_inflight_on_a_user_stream():
     stale = 0
     with torch.cuda.stream(s):
         for k in range(1, TRIALS + 1):
-            torch.cuda._sleep(200_000)
+            torch.cuda._sleep(cycles(INFLIGHT_MS))
             t.fill_(float(k))
-            stale += float(jnp.min(jnp.asarray(t))) != k
+            stale += is_stale(jnp.asarray(t), k)
     s.synchronize()
     assert stale == 0, f"{stale} of {TRIALS} reads were stale"
 
@@ -126,8 +126,8 @@ def test_device_put_of_cupy_inflight_on_a_user_stream():
     stale = 0
     with s:
         for k in range(1, TRIALS + 1):
-            spin_fill(a, float(k), ms=0.5, stream=s)
-            stale += float(jnp.min(jax.device_put(a, GPU))) != k
+            spin_fill(a, float(k), ms=INFLIGHT_MS, stream=s)
+            stale += is_stale(jax.device_put(a, GPU), k)
     s.synchronize()
     assert stale == 0, f"{stale} of {TRIALS} reads were stale"
 

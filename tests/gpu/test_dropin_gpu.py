@@ -21,7 +21,7 @@ from jax_overlay import _dlpack  # noqa: E402
 from jax_overlay import _cai, _view, peers  # noqa: E402
 from jax_overlay import _runtime as rt  # noqa: E402
 
-from producers import spin_fill  # noqa: E402
+from producers import INFLIGHT_MS, cycles, spin_fill  # noqa: E402
 
 GPU = jax.devices("cuda")[0]
 CPU = jax.devices("cpu")[0]
@@ -340,7 +340,7 @@ def test_torch_in_flight_on_its_current_user_stream(entry, installed):
     for k in range(TRIALS):
         with torch.cuda.stream(s):
             t = torch.zeros(1 << 20, device="cuda")
-            torch.cuda._sleep(200_000)
+            torch.cuda._sleep(cycles(INFLIGHT_MS))
             t.fill_(k + 1)
             x = f(t)
         stale += int(float(np.asarray(x[-1])) != k + 1)
@@ -355,7 +355,7 @@ def test_cupy_in_flight_on_its_current_user_stream(entry, installed):
     for k in range(TRIALS):
         with s:
             a = cp.empty(1 << 20, cp.float32)
-            spin_fill(a, float(k + 1), ms=0.5, stream=s)
+            spin_fill(a, float(k + 1), ms=INFLIGHT_MS, stream=s)
             x = f(a)
         stale += int(float(np.asarray(x[-1])) != k + 1)
     assert stale == 0
