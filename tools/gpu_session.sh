@@ -90,10 +90,17 @@ case "${1:-}" in
   echo "probe exit status $?" | tee -a "$O/hostread-probe.txt"; tarball
   "$PY" tests/gpu/load.py >"$O/load.txt" 2>&1 & LOAD=$!
   for _ in $(seq 120); do grep -q ready "$O/load.txt" && break; sleep 0.5; done
+  # SUITE=inflight: only the in-flight tests (a short call).
+  if [ "${SUITE:-all}" = inflight ]; then
+    set -- tests/gpu/test_inflight_reads_gpu.py tests/gpu/test_ipc_gpu.py::test_inflight_tree_of_long_work_read_to_the_host \
+      tests/gpu/test_ipc_gpu.py::test_share_of_an_inflight_import tests/gpu/test_ipc_gpu.py::test_inflight_exporter_no_stale_reads \
+      tests/gpu/test_cai_import_gpu.py tests/gpu/test_dlpack_import_gpu.py tests/gpu/test_dlpack_install_gpu.py
+  else
+    set -- tests/gpu --ignore=tests/gpu/test_fuzz_dropin_gpu.py \
+      --ignore=tests/gpu/test_foreign_replay_gpu.py --ignore=tests/gpu/test_foreign_saved_graph_gpu.py
+  fi
   JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 15 "${SUITE_TIMEOUT:-160}" "$PY" -m pytest -n 4 -v -rs \
-    -p no:cacheprovider --durations=10 tests/gpu --ignore=tests/gpu/test_fuzz_dropin_gpu.py \
-    --ignore=tests/gpu/test_foreign_replay_gpu.py --ignore=tests/gpu/test_foreign_saved_graph_gpu.py \
-    >"$O/suite-n4-loaded.txt" 2>&1
+    -p no:cacheprovider --durations=10 "$@" >"$O/suite-n4-loaded.txt" 2>&1
   echo "suite exit status $?" >>"$O/suite-n4-loaded.txt"
   kill $LOAD; wait $LOAD; cat "$O/load.txt" >>"$O/suite-n4-loaded.txt"
   grep -E "^(FAILED|ERROR)|passed|failed" "$O/suite-n4-loaded.txt" | cut -c1-300 | tail -40
