@@ -140,6 +140,29 @@ def queue(route, count, ms):
             "jit dispatch on the last, us": dispatch, "wrong after": wrong}
 
 
+def table(results):
+    """Markdown: stale reads of `trials` by route (rows) and load x read
+    (columns), the three streams summed; the import call's median µs."""
+    loads = list(dict.fromkeys(r["load"] for r in results))
+    reads = list(dict.fromkeys(r["read"] for r in results if r["read"] != "queue"))
+    routes = list(dict.fromkeys(r["route"] for r in results))
+    cols = [(ld, rd) for ld in loads for rd in reads]
+    lines = ["| route | " + " | ".join(f"{ld}: {rd}" for ld, rd in cols)
+             + " | " + " | ".join(f"{ld}: import µs" for ld in loads) + " |",
+             "|---" * (1 + len(cols) + len(loads)) + "|"]
+    for route in routes:
+        cells = []
+        for ld, rd in cols:
+            rs = [r for r in results if (r["route"], r["load"], r["read"]) == (route, ld, rd)]
+            cells.append(f"{sum(r['stale'] for r in rs)} / {sum(r['trials'] for r in rs)}" if rs else "")
+        for ld in loads:
+            rs = [r["import us median"] for r in results
+                  if (r["route"], r["load"]) == (route, ld) and r["read"] != "queue"]
+            cells.append(f"{statistics.median(rs):.1f}" if rs else "")
+        lines.append(f"| {route} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     p = harness.arguments(__doc__, json_file=True)
     p.add_argument("--trials", type=int, default=60)
@@ -148,36 +171,48 @@ def main():
     p.add_argument("--routes", default=",".join(ROUTES))
     p.add_argument("--reads", default=",".join(READS))
     p.add_argument("--queue", type=int, default=300)
+    p.add_argument("--table", default="", help="only print the table of this JSON")
     args = p.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)["results"]))
+        return
     dev = jax.devices("cuda")[0]
     out = {"device": dev.device_kind, "client": type(dev.client).__name__,
            "platform_version": dev.client.platform_version, "results": []}
     print(json.dumps({k: out[k] for k in ("device", "client", "platform_version")}))
     loads = ["idle", "loaded"] if args.load == "both" else [args.load]
-    for load in loads:
-        proc = None
-        if load == "loaded":
-            proc = subprocess.Popen([sys.executable, LOAD], stdout=subprocess.PIPE, text=True)
-            assert proc.stdout.readline().strip() == "ready"
-        try:
-            for route in args.routes.split(","):
-                for read in args.reads.split(","):
-                    for kind in STREAMS:
-                        r = trial_set(route, read, kind, args.trials, args.ms)
-                        r.update(load=load, route=route, read=read, stream=kind)
-                        out["results"].append(r)
-                        print(json.dumps(r), flush=True)
-                if args.queue:
-                    r = queue(route, args.queue, 500.0)
-                    r.update(load=load, route=route, read="queue")
-                    out["results"].append(r)
-                    print(json.dumps(r), flush=True)
-        finally:
-            if proc is not None:
-                proc.kill()
-                proc.wait()
+    try:
+        for load in loads:
+            run_load(load, args, out["results"])
+    except KeyboardInterrupt:  # a time limit: what ran is reported
+        out["interrupted"] = True
+    print(table(out["results"]))
     harness.save(args.json, dict(out, meta=harness.meta()))
 
+
+def run_load(load, args, results):
+    proc = None
+    if load == "loaded":
+        proc = subprocess.Popen([sys.executable, LOAD], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+    try:
+        for route in args.routes.split(","):
+            for read in args.reads.split(","):
+                for kind in STREAMS:
+                    r = trial_set(route, read, kind, args.trials, args.ms)
+                    r.update(load=load, route=route, read=read, stream=kind)
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
+            if args.queue:
+                r = queue(route, args.queue, 500.0)
+                r.update(load=load, route=route, read="queue")
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
 
 if __name__ == "__main__":
     main()
