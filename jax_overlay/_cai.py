@@ -45,7 +45,9 @@ def _check(x, host=False):
     if device.platform != "gpu" and not (host and device.platform == "cpu"):
         raise AttributeError(
             f"__cuda_array_interface__ is only defined for NVidia GPU buffers. "
-            f"This array is on {device}")
+            f"This array is on {device}: host memory has no CUDA Array Interface; "
+            "hand it over by DLPack (x.__dlpack__(), or the consumer's from_dlpack) "
+            "or as NumPy (np.asarray(x))")
 
 
 def _cuda_ordinal(ptr):
@@ -187,10 +189,12 @@ def cai_dict(obj):
     try:
         return obj.__cuda_array_interface__
     except AttributeError:
+        host = "" if not hasattr(obj, "__array_interface__") and not hasattr(obj, "__dlpack__") else (
+            " (host arrays: jax_overlay.from_dlpack or jnp.asarray import them)")
         raise TypeError(
             f"{type(obj).__module__}.{type(obj).__qualname__} has no "
             "__cuda_array_interface__; pass a GPU array from CuPy, Numba, "
-            "PyTorch or another producer of the CUDA Array Interface") from None
+            f"PyTorch or another producer of the CUDA Array Interface{host}") from None
 
 
 def _ordered_stream(plan, device):

@@ -177,8 +177,12 @@ def test_mask_rejected_before_anything_else():
 
 def test_no_cai_is_type_error():
     import jax_overlay
-    with pytest.raises(TypeError, match="has no __cuda_array_interface__"):
+    with pytest.raises(TypeError, match="has no __cuda_array_interface__.*host arrays: "
+                                        "jax_overlay.from_dlpack"):
         jax_overlay.from_cuda_array_interface(np.zeros(3))
+    with pytest.raises(AttributeError, match="host memory has no CUDA Array Interface; hand it "
+                                             "over by DLPack"):
+        jax_overlay.cuda_array_interface(jnp.zeros(3))
 
 
 def test_gpu_path_without_driver_is_clear():
