@@ -46,8 +46,23 @@ from harness import REPEATS, ROUND_MEANS, ROUNDS, log, median_us
 
 sys.path.insert(0, harness.ROOT)  # this tree's jax_overlay: the results carry its source digest
 
-import cupy as cp  # noqa: E402
-import cupyx  # noqa: E402
+
+def _parser():
+    p = harness.arguments(__doc__)
+    p.add_argument("--out", help="folder for <gpu>-<date>.json and .png "
+                                 "(default benchmarks/results, unless --json is given)")
+    p.add_argument("--json", help="results file; the chart goes to its .png")
+    return p
+
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    _parser().parse_args()  # the help, and exit: it needs no GPU library
+try:
+    import cupy as cp  # noqa: E402
+    import cupyx  # noqa: E402
+except ImportError as e:
+    raise SystemExit(f"run_all.py measures GPU interchange: it needs CuPy and a GPU ({e}); "
+                     "on a GPU machine, pip install cupy-cuda13x (or the build for its CUDA)")
 import jax  # noqa: E402
 import jax.dlpack  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -606,11 +621,7 @@ def meta(seconds):
 
 
 def main():
-    p = harness.arguments(__doc__)
-    p.add_argument("--out", help="folder for <gpu>-<date>.json and .png "
-                                 "(default benchmarks/results, unless --json is given)")
-    p.add_argument("--json", help="results file; the chart goes to its .png")
-    args = p.parse_args()
+    args = _parser().parse_args()
     t_start = time.perf_counter()
     run = Run()
     n = N

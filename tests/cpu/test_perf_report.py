@@ -207,3 +207,18 @@ def test_make_perf_table_cli(tmp_path):
     p = subprocess.run(tool + ["--write", str(readme)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "updated" in p.stderr and "**Targets**" in readme.read_text()
+
+
+def test_run_all_help_needs_no_gpu_library():
+    """`benchmarks/run_all.py --help` answers anywhere; a run without CuPy
+    says what it needs instead of a traceback."""
+    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "run_all.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "usage: run_all.py" in out.stdout, out.stderr[-2000:]
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 1 and "needs CuPy and a GPU" in out.stderr, out.stderr[-2000:]
