@@ -11,7 +11,7 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     doctor.add_arguments(sub.add_parser(
         "doctor", help="versions, devices, and a live round trip on every path, stock JAX vs jax_overlay",
-        description=doctor.__doc__.split("\n\n")[0]))
+        description=doctor.description()))
     args = p.parse_args(argv)
     if args.command == "doctor":
         return doctor.run(as_json=args.json, plain=args.plain, trials=args.trials, calls=args.calls,

@@ -747,9 +747,16 @@ def _has_rich():
     return importlib.util.find_spec("rich") is not None
 
 
+def description() -> str:
+    """The command's help text: the module doc's first paragraph, without
+    its "Room:" label (a note for the code's readers)."""
+    return re.sub(r"^Room: [^.]*\.\s*", "", __doc__.split("\n\n")[0])
+
+
 def add_arguments(p):
     p.add_argument("--json", action="store_true",
-                   help=f"print one JSON object (schema {SCHEMA}; see jax_overlay/doctor.py)")
+                   help=f"print one JSON object (schema {SCHEMA}; its fields: "
+                   "help(jax_overlay.doctor))")
     p.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH")
     p.add_argument("--plain", action="store_true", help="plain text even where rich is installed")
     p.add_argument("--trials", type=int, default=20, metavar="N",
@@ -762,6 +769,7 @@ def add_arguments(p):
 def main(argv=None, out=None):
     """`python -m jax_overlay doctor [--json] [--plain] [--trials N] [--calls N]`;
     returns the exit status."""
-    args = add_arguments(argparse.ArgumentParser(prog="python -m jax_overlay doctor")).parse_args(argv)
+    args = add_arguments(argparse.ArgumentParser(
+        prog="python -m jax_overlay doctor", description=description())).parse_args(argv)
     return run(as_json=args.json, plain=args.plain, trials=args.trials, calls=args.calls, out=out,
                json_file=args.json_file)

@@ -235,3 +235,16 @@ def test_rich_table_when_available():
     buf = io.StringIO()
     doctor.render_rich(report, buf)
     assert "NumPy -> JAX" in buf.getvalue() and "overlay" in buf.getvalue()
+
+
+def test_help_speaks_to_the_user():
+    """`doctor --help` starts with what the command does (no internal
+    "Room:" label) and points at files that exist."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "jax_overlay", "doctor", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "Room:" not in text and "doctor.py" not in text, text
+    assert "`python -m jax_overlay doctor`: what this machine has" in text, text
