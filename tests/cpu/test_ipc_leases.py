@@ -48,7 +48,8 @@ def export(payloads, *, once=False):
 class Receiver:
     def __init__(self, h, need=None):
         self.conn, child = SPAWN.Pipe()
-        self.proc = SPAWN.Process(target=ipc_lease_worker.receive, args=(h, child))
+        # daemon: a receiver a failed test left waiting dies with pytest
+        self.proc = SPAWN.Process(target=ipc_lease_worker.receive, args=(h, child), daemon=True)
         self.proc.start()
         child.close()
 
