@@ -196,8 +196,8 @@ def ready_stream(device) -> int:
     jax_overlay did before, orders computations only: the jaxlib of jax
     0.11.2 gives a stream-less view no definition event, so a host read ran
     on a device-to-host stream at once and read the producer's memory
-    before its kernel wrote it (issue 39;
-    benchmarks/results/h200-2026-12-05-hostread-probe.txt)."""
+    before its kernel wrote it (issue 39; benchmarks/probe_hostread.py
+    measures both orderings)."""
     return int(device.get_stream_for_external_ready_events())
 
 
