@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_overlay
-from _internals import _cai, _runtime as rt, _strided, _xla_ext as ext
+from _internals import _runtime as rt, _strided, _vocab, _xla_ext as ext
 
 SIZES = [16 << 10, 4 << 20, 64 << 20, 256 << 20, 1 << 30]
 
@@ -60,7 +60,7 @@ def parts():
     view, ordinal, range_start, dl_type = plan.view, plan.ordinal, plan.range_start, plan.device_type
     device = rt.gpu_device(ordinal)
     base, count, unit, offset = _strided.plan(view.data, view.low, view.span, view.itemsize,
-                                              range_start, _strided.GPU_ALIGNMENT)
+                                              range_start, _vocab.GPU_ALIGNMENT)
 
     def capsule():
         return ext.raw_capsule(v, base, [count], None, "<f4", dl_type, ordinal)
@@ -74,7 +74,8 @@ def parts():
     rows = {
         "whole import": lambda: jax_overlay.from_cuda_array_interface(v),
         "plan_cai_import": lambda: ext.plan_cai_import(cai, v, False),
-        "order_after": lambda: _cai._compute_waits(view, ordinal, device),
+        "order_after (a ready stream)": lambda: ext.order_after(ordinal, view.stream or 1,
+                                                                rt.ready_stream(device)),
         "raw_capsule": capsule,
         "capsule + jaxlib import": lambda: rt.capsule_to_array(capsule(), device, None, None,
                                                                dl_type),

@@ -19,7 +19,7 @@ import cupy as cp
 import jax
 
 import jax_overlay
-from _internals import _strided, _view, _xla_ext as ext
+from _internals import _strided, _view, _vocab, _xla_ext as ext
 
 PIPELINE = 8
 
@@ -31,7 +31,7 @@ def kernel_alone(v, repeats):
     item = spec.itemsize
     strides = spec.strides if spec.strides is not None else _view._row_major(v.shape)
     base, count, unit, offset = _strided.plan(spec.data, spec.low, spec.span, item, 0,
-                                              _strided.GPU_ALIGNMENT)
+                                              _vocab.GPU_ALIGNMENT)
     plan = _strided.kernel_plan(v.shape, [s * (item // unit) for s in strides], offset, item, unit)
     if plan is None:
         return None

@@ -13,6 +13,7 @@ import jax
 
 from . import _runtime as rt
 from . import _view
+from . import _vocab
 from . import _xla_ext as ext
 from ._config import config
 from .errors import like_stock
@@ -21,7 +22,7 @@ _LEGACY_STREAM = 1
 
 
 def _typestr(dtype):
-    if dtype not in _view.NUMPY_DTYPES:
+    if dtype not in _vocab.NUMPY_DTYPES:
         # Stock JAX's words ("not supported for BF16") where it has them.
         name = "BF16" if dtype.name == "bfloat16" else str(dtype)
         raise AttributeError(
@@ -243,7 +244,7 @@ def import_cai(obj, cai=None, *, copy=None, host=False):
     if plan.capsule is not None:
         arr = _view.import_view(plan.capsule, device, False if copy is False else None, dl_type,
                                 stream)
-        return arr, dl_type == _view.KDLCUDAHOST and not rt.PINNED_VIEW
+        return arr, dl_type == _vocab.KDLCUDAHOST and not rt.PINNED_VIEW
     return _view.copy_import(obj, view, view.typestr, dl_type, plan.ordinal, device,
                              alignment=plan.alignment, copy=copy,
                              range_start=plan.range_start, stream=stream), True

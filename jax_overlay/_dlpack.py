@@ -20,7 +20,7 @@ import numpy as np
 from . import _runtime as rt
 from . import _view
 from . import _xla_ext as ext
-from ._view import GPU_ALIGNMENT, KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED, NUMPY_DTYPES
+from ._vocab import GPU_ALIGNMENT, KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED, NUMPY_DTYPES
 from .errors import CopyRequiredError, JaxRuntimeError, like_stock
 
 if TYPE_CHECKING:

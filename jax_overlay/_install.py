@@ -31,6 +31,7 @@ from . import _dlpack
 from . import _route
 from . import _runtime as rt
 from . import _view
+from . import _vocab
 from . import _xla_ext as ext
 from ._config import config
 from .errors import CopyRequiredError, JaxRuntimeError, like_stock
@@ -161,7 +162,7 @@ def _device_alias(view):
     long as JAX holds the alias.  None where a device view is not allowed
     (jaxlib needs 16-byte aligned device pointers)."""
     ptr = view.unsafe_buffer_pointer()
-    if ptr % _view.GPU_ALIGNMENT:
+    if ptr % _vocab.GPU_ALIGNMENT:
         return None
     device = next(iter(view.devices()))
     stream = None
@@ -173,9 +174,9 @@ def _device_alias(view):
         except Exception:  # noqa: BLE001 - a jaxlib that exports no pinned array to a stream
             view.block_until_ready()
     cap = ext.raw_capsule(view, ptr, list(view.shape), None,
-                          _dlpack.dtype_code(view.dtype), _view.KDLCUDA,
+                          _dlpack.dtype_code(view.dtype), _vocab.KDLCUDA,
                           device.local_hardware_id)
-    return _view.import_view(cap, device, None, _view.KDLCUDA, stream)
+    return _view.import_view(cap, device, None, _vocab.KDLCUDA, stream)
 
 
 def _platform(device):

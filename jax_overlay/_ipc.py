@@ -44,9 +44,10 @@ import numpy as np
 from . import _runtime as rt
 from . import _view
 from . import _xla_ext as ext
+from . import peers
 from ._config import config
 from ._dlpack import dtype_code
-from ._view import KDLCUDA
+from ._vocab import KDLCUDA
 
 # Bumped when a Share's fields or the socket protocol change: a receiver
 # refuses another version by name instead of misreading it.
@@ -674,9 +675,6 @@ def _ordinal_of(uuid: bytes) -> int:
         "(check CUDA_VISIBLE_DEVICES)")
 
 
-_FRAMEWORKS = ("jax", "torch", "cupy")
-
-
 def open_shared(share: Share | bytes, *, framework: str = "jax") -> Any:
     """The pytree of a :class:`Share` (or of ``pickle.dumps(share)``, read
     without running anything else the bytes might name), zero-copy on the
@@ -694,8 +692,9 @@ def open_shared(share: Share | bytes, *, framework: str = "jax") -> Any:
         raise TypeError(f"open_shared takes a jax_overlay.Share (from jax_overlay.share) or "
                         f"its pickled bytes, not {type(share).__module__}."
                         f"{type(share).__qualname__}")
-    if framework not in _FRAMEWORKS:
-        raise ValueError(f"framework={framework!r}: pass one of {', '.join(map(repr, _FRAMEWORKS))}")
+    names = peers.share_frameworks()
+    if framework not in names:
+        raise ValueError(f"framework={framework!r}: pass one of {', '.join(map(repr, names))}")
     if share.boot_id != _BOOT_ID or (not share.boot_id and share.host != socket.gethostname()):
         raise BufferError(
             f"this share was made on another machine ({share.host}, boot {share.boot_id}); "
@@ -754,7 +753,6 @@ def _open_jax(event, treedef, leaves, opened, ordinal):
 
 
 def _open_peer(share, event, treedef, leaves, opened, ordinal, framework):
-    from . import peers
     peer = peers.REGISTRY[framework]
     opened.sync = ordinal  # the framework frees without waiting for its streams
     ext.wait_ipc_event(ordinal, event, peer.current_stream(ordinal))
@@ -764,7 +762,7 @@ def _open_peer(share, event, treedef, leaves, opened, ordinal, framework):
         ptr = opened.mappings[i].va + off if i >= 0 else 0
         cap = ext.raw_capsule(opened, ptr, shape, None, dtype_code(dtype), KDLCUDA, ordinal)
         out.append(peer.wrap_capsule(cap, ordinal))
-    peer.came_from_share(out, share, [m.va for m in opened.mappings])
+    peer.came_from_share(out, share, [m.va for m in opened.mappings], open_leaf)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -789,7 +787,6 @@ def _same_process(share, framework):
         _EXPORTER._drop(share.share_id)
     if framework == "jax":
         return tree
-    from . import peers
     peer = peers.REGISTRY[framework]
 
     def wrap(x):

@@ -15,10 +15,11 @@ import jax
 from . import _cai
 from . import _dlpack
 from . import _view
+from . import _vocab
 from . import peers
 from .errors import like_stock
 
-_GPU_TYPES = frozenset({_view.KDLCUDA, _view.KDLCUDAHOST, _view.KDLCUDAMANAGED})
+_GPU_TYPES = frozenset({_vocab.KDLCUDA, _vocab.KDLCUDAHOST, _vocab.KDLCUDAMANAGED})
 
 # The cheaper of the two routes, where both give the same array.  A
 # producer that offers both protocols is imported through its CUDA Array
@@ -113,7 +114,7 @@ def import_peer(obj, copy, host_device=None, cai_first=False):
         if dl_type in _GPU_TYPES or host_device is not None:
             return _dlpack.import_dlpack(obj, copy=copy, advertised=(dl_type, dl_id),
                                          host_device=host_device, resolve=peers.resolve)
-        if dl_type == _view.KDLCPU and not cai_first:
+        if dl_type == _vocab.KDLCPU and not cai_first:
             return None  # the caller's host path; with cai_first, its CAI if it has one
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:

@@ -15,6 +15,8 @@ from jax._src.lib import _jax
 from jax._src import lib as _jax_lib
 from jax._src.lib import version as _jaxlib_version
 
+from ._vocab import KDLCUDAHOST
+
 ArrayImpl = type(jax.numpy.zeros(()))
 # JAX's own device_put, whatever install() later puts in its place.
 device_put = jax.device_put
@@ -43,9 +45,6 @@ def _capsule_to_array_before_0_10_2(cap, device, stream, copy, dl_type):
     """jaxlib < 0.10.2 reads no device type and has no pinned_host view:
     pinned memory is viewed by the CPU client, then copied into a
     pinned_host buffer of `device` (BufferError with copy=False)."""
-    # The device codes' one declaration (_view imports this module, so the
-    # name is looked up at the call).
-    from ._view import KDLCUDAHOST
     if dl_type != KDLCUDAHOST:
         return _jax.dlpack_managed_tensor_to_buffer(cap, device, stream, copy)
     if copy is False:

@@ -27,12 +27,6 @@ from . import _runtime as rt
 from . import _xla_ext as ext
 from ._config import config
 
-# XLA's GPU code assumes aligned entry parameters (it may use vector
-# loads); a view of a pointer that is not could fault or read wrong data, so
-# such arrays go through the envelope, whose base is aligned down.  The
-# native core states the rule (xla_ext/import_plan.h).
-GPU_ALIGNMENT = ext.GPU_ALIGNMENT
-
 
 def plan(data, low, span, itemsize, range_start, alignment, range_size=0):
     """(base, count, unit, offset): the envelope holds `count` items of

@@ -14,21 +14,8 @@ from . import _runtime as rt
 from . import _strided
 from . import _xla_ext as ext
 from ._config import config
+from ._vocab import GPU_ALIGNMENT, KDLCPU, KDLCUDAHOST
 from .errors import CopyRequiredError, LayoutCopyRequiredError
-
-# DLPack device types, as both protocols' plans name the memory.
-KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED = 1, 2, 3, 13
-
-# NumPy's own dtypes: the ones both protocols name by a type string
-# (ml_dtypes' float8 types also call themselves 'f').
-NUMPY_DTYPES = frozenset(np.dtype(t) for t in (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
-    np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
-    np.complex128))
-
-# What a zero-copy view of device memory needs of its pointer: the native
-# core's rule, as the strided copy reads it.
-GPU_ALIGNMENT = _strided.GPU_ALIGNMENT
 
 
 def empty(shape, dtype, target):

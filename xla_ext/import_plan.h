@@ -15,8 +15,10 @@ namespace jxo {
 
 // XLA's GPU code assumes 16-byte aligned entry parameters (vector loads).
 constexpr uintptr_t kGpuAlignment = 16;
-// XLA's CPU client views 16-byte aligned host memory.
-constexpr uintptr_t kHostAlignment = 16;
+// XLA's CPU client views host memory only at 64-byte aligned addresses
+// (jaxlib 0.12 refuses 16- and 32-byte aligned ones: "Can't create a view of
+// buffer with unaligned data"; tests/cpu/test_native_table.py checks it).
+constexpr uintptr_t kHostAlignment = 64;
 
 struct ImportPlan {
   ArrayView view;

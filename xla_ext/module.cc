@@ -730,8 +730,14 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.attr("DLPACK_VERSION") = py::make_tuple(dl::kMajorVersion, dl::kMinorVersion);
   m.attr("FLAG_READ_ONLY") = dl::kFlagReadOnly;
   m.attr("FLAG_IS_COPIED") = dl::kFlagIsCopied;
-  // The one statement of the rule; Python reads it from here.
+  // The DLPack device types both protocols' plans name memory with, and the
+  // view alignment rules: stated once here, read by jax_overlay._vocab.
+  m.attr("DL_CPU") = static_cast<int>(dl::kCPU);
+  m.attr("DL_CUDA") = static_cast<int>(dl::kCUDA);
+  m.attr("DL_CUDA_HOST") = static_cast<int>(dl::kCUDAHost);
+  m.attr("DL_CUDA_MANAGED") = static_cast<int>(dl::kCUDAManaged);
   m.attr("GPU_ALIGNMENT") = kGpuAlignment;
+  m.attr("HOST_ALIGNMENT") = kHostAlignment;
   m.attr("HANDLE_POSIX_FD") = ipc::kHandlePosixFd;
   // capture_status's "not capturing", and exchange_capture_mode's relaxed
   // mode: the driver's values, named once (cuda_driver.h).

@@ -64,6 +64,12 @@ def frameworks() -> tuple[str, ...]:
     return tuple(name for name, peer in REGISTRY.items() if peer.runs_on is not False)
 
 
+def share_frameworks() -> tuple[str, ...]:
+    """The names ``open_shared(framework=...)`` takes: JAX's own, and the
+    peers that open shares."""
+    return ("jax",) + tuple(name for name, peer in REGISTRY.items() if peer.opens_shares)
+
+
 def where(place: str) -> str:
     """The frameworks that run on `place` ("cpu" or "gpu"), for messages."""
     names = [repr(n) for n, p in REGISTRY.items() if p.runs_on in (place, None)]
@@ -81,4 +87,4 @@ def foreign_peer(framework: str) -> Peer:
 from . import numpy, torch, cupy, numba  # noqa: E402  (each registers itself)
 
 __all__ = ["GENERIC", "Peer", "REGISTRY", "cupy", "foreign_peer", "frameworks", "numba", "numpy",
-           "peer_of", "register", "resolve", "torch", "where"]
+           "peer_of", "register", "resolve", "share_frameworks", "torch", "where"]

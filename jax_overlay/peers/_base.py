@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import _xla_ext as ext
-from .._dlpack import KDLCPU, KDLCUDA, KDLCUDAHOST
+from .._vocab import KDLCPU, KDLCUDA, KDLCUDAHOST
 from ..errors import ForeignError
 
 # A peer's cai_reader() answer: no rule of its own, the generic one decides
@@ -40,6 +40,9 @@ class Peer:
     # cotangent) and recompute(need, *inputs, cotangent) (fn run again) ->
     # the needed cotangents, flat.  None: the library has no autodiff.
     autograd: Any = None
+    # Whether open_shared(framework=name) can hand out the library's arrays:
+    # the share endpoint (current_stream, wrap_capsule, came_from_share).
+    opens_shares = False
 
     def owns(self, t: type) -> bool:
         """Whether `t` is the library's array type: one rule, by type, that
@@ -72,10 +75,12 @@ class Peer:
         share is ordered behind (``open_shared(framework=...)``)."""
         raise NotImplementedError(f"{self.title} cannot open shares here")
 
-    def came_from_share(self, arrays: list, share: Any, mapped: list) -> None:
+    def came_from_share(self, arrays: list, share: Any, mapped: list, reopen: Any) -> None:
         """Told which of the library's arrays `open_shared` just made from
         `share` (mapped: the start of each allocation it mapped), for a
-        library whose own interprocess pickling needs a word about them."""
+        library whose own interprocess pickling needs a word about them.
+        `reopen(share, index, framework)`: how another process opens leaf
+        `index` again (picklable; the peer imports no feature module)."""
 
     def wrap_capsule(self, capsule: Any, ordinal: int) -> Any:
         """The library's array over a DLPack capsule of CUDA device memory

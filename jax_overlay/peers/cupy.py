@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import warnings
 
-from .._dlpack import KDLCUDA
+from .._vocab import KDLCUDA
 from . import register
 from ._base import GpuAdapter, Peer, relaxed_capture
 
 
 class CuPy(Peer):
     name, title, distribution, runs_on = "cupy", "CuPy", "cupy", "gpu"
+    opens_shares = True
 
     def owns(self, t: type) -> bool:
         return any(c.__name__ == "ndarray" and c.__module__.startswith("cupy")

@@ -12,7 +12,7 @@ import weakref
 
 import numpy as np
 
-from .._dlpack import KDLCPU
+from .._vocab import KDLCPU
 from ..errors import ForeignError
 from . import register
 from ._base import Peer, mismatch

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _xla_ext as ext
 from .._config import config
-from .._dlpack import KDLCPU
+from .._vocab import KDLCPU
 from ..errors import ForeignError, JaxRuntimeError, LayoutCopyRequiredError, like_stock
 from . import register
 from ._base import GpuAdapter, Peer, token
@@ -29,6 +29,7 @@ from ._base import GpuAdapter, Peer, token
 
 class Torch(Peer):
     name, title, distribution, runs_on = "torch", "PyTorch", "torch", None
+    opens_shares = True
 
     def owns(self, t: type) -> bool:
         return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in t.__mro__)
@@ -109,7 +110,7 @@ class Torch(Peer):
         import torch.utils.dlpack
         return torch.utils.dlpack.from_dlpack(capsule)
 
-    def came_from_share(self, arrays, share, mapped):
+    def came_from_share(self, arrays, share, mapped, reopen):
         """PyTorch's own interprocess pickling (torch.multiprocessing) needs
         memory from its caching allocator, and refuses tensors over a
         share's mappings.  Those tensors are passed on as the share itself
@@ -125,7 +126,7 @@ class Torch(Peer):
 
             def forget(_, key=key):
                 _from_shares.pop(key, None)
-            _from_shares[key] = (weakref.ref(t, forget), share, i)
+            _from_shares[key] = (weakref.ref(t, forget), share, i, reopen)
         _mapped.update(mapped)
 
     @staticmethod
@@ -287,8 +288,7 @@ def _wrap_reducers():
         def reduce(t, theirs=theirs):
             src = _from_shares.get(id(t))
             if src is not None and src[0]() is t:
-                from .._ipc import open_leaf
-                return open_leaf, (src[1], src[2], "torch")
+                return src[3], (src[1], src[2], "torch")
             try:
                 return theirs(t)
             except RuntimeError as e:

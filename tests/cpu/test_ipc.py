@@ -135,11 +135,11 @@ def test_torch_tensors_from_a_share_pickle_as_the_share():
     peer = peers.REGISTRY["torch"]
     mine, other = torch.arange(4.0), torch.arange(3.0)
     h = a_share()
-    peer.came_from_share([mine], h, [])
+    peer.came_from_share([mine], h, [], _ipc.open_leaf)
     fn, args = ForkingPickler._extra_reducers[torch.Tensor](mine)
     assert fn is _ipc.open_leaf and args[1:] == (0, "torch") and args[0] is h
     assert ForkingPickler._extra_reducers[torch.Tensor](other)[0] is not _ipc.open_leaf
     assert torch.equal(pickle.loads(ForkingPickler.dumps(other)), other)
-    peer.came_from_share([torch.arange(2.0)], h, [])  # wrapped once, not twice
+    peer.came_from_share([torch.arange(2.0)], h, [], _ipc.open_leaf)  # wrapped once, not twice
     wrapped = ForkingPickler._extra_reducers[torch.Tensor]
     assert getattr(wrapped, "_jax_overlay", False)

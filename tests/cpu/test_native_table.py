@@ -23,3 +23,25 @@ def test_one_entry_per_capability():
     assert set(rt.NATIVE) == set(rt.NATIVE_SINCE)
     assert all(type(v) is int and v > 0 for v in rt.NATIVE_SINCE.values())
     assert rt.EXTENSION_VERSION > 0
+
+
+def test_host_alignment_is_the_running_jaxlibs():
+    """The native core's host view rule (_vocab.HOST_ALIGNMENT, stated in
+    xla_ext/import_plan.h) is the one XLA's CPU client enforces: it views
+    memory aligned to it, and refuses half of it."""
+    import jax
+    import numpy as np
+    import pytest
+
+    from jax_overlay import _vocab
+    cpu = jax.devices("cpu")[0]
+    buf = np.zeros(4 * _vocab.HOST_ALIGNMENT + 256, np.uint8)
+    start = -buf.ctypes.data % (2 * _vocab.HOST_ALIGNMENT)
+
+    def view(offset):
+        a = buf[start + offset:start + offset + 64].view(np.float32)
+        return rt.capsule_to_array(a.__dlpack__(), cpu, None, False, _vocab.KDLCPU)
+
+    assert view(0).unsafe_buffer_pointer() == buf.ctypes.data + start
+    with pytest.raises(Exception, match="align"):
+        view(_vocab.HOST_ALIGNMENT // 2)

@@ -14,6 +14,7 @@ import pytest
 
 from jax_overlay import _view
 from jax_overlay import _strided
+from jax_overlay import _vocab
 from jax_overlay import _xla_ext as ext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,7 +77,7 @@ def import_plan(v):
     spec = ext.parse_cai(v.__array_interface__)
     strides = spec.strides if spec.strides is not None else _view._row_major(v.shape)
     base, count, unit, offset = _strided.plan(spec.data, spec.low, spec.span, spec.itemsize, 0,
-                                              _strided.GPU_ALIGNMENT)
+                                              _vocab.GPU_ALIGNMENT)
     raw = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * (count * unit)).from_address(base))
     envelope = raw.view({1: "u1", 2: "u2", 4: "u4", 8: "u8", 16: "V16"}[unit])
     scale = spec.itemsize // unit
