@@ -31,6 +31,7 @@ CPU tensors), where it is a check of the script, not a measurement.
 from __future__ import annotations
 
 import os
+import sys
 
 import harness  # first: XLA's allocator setting, before jax loads
 
@@ -43,7 +44,8 @@ import torch  # noqa: E402
 
 import jax_overlay  # noqa: E402
 
-from jax_overlay.doctor.workloads import LR, jax_mlp, mlp_params, sgd, torch_mlp  # noqa: E402
+sys.path.insert(0, os.path.join(harness.ROOT, "tests"))  # workloads.py: the tests' MLP too
+from workloads import LR, jax_mlp, mlp_params, sgd, torch_mlp  # noqa: E402
 
 CONTROL = "torch eager"
 

@@ -13,7 +13,8 @@ import numpy as np
 
 from .. import _runtime as rt
 from ..peers import cupy as _cupy_peer
-from . import PROTOCOLS, Case, Expect, NotApplicable, Row, Skip, need, need_gpu
+from ._model import PROTOCOLS, Case, Expect, NotApplicable, Row, Skip
+from ._probes import jax_ptr, need_cupy, need_gpu, need_numba, need_torch
 from .producers import jax_fill, spin_fill, torch_sleep
 
 N = 1 << 16        # float32 elements of the doctor's arrays (256 KiB)
@@ -24,31 +25,6 @@ TORCH_CAI = ("PyTorch exports CAI version 2, without a stream: no consumer can "
              "order after its pending work (use DLPack)")
 SAFE = Expect(stream_safe=True)
 DLPACK = PROTOCOLS[1:]
-
-
-def _cupy():
-    need_gpu()
-    return need("cupy")
-
-
-def _torch():
-    need_gpu()
-    torch = need("torch")
-    if not torch.cuda.is_available():
-        raise Skip("torch has no CUDA here")
-    return torch
-
-
-def _numba():
-    need_gpu()
-    cuda = need("numba.cuda")
-    if not cuda.is_available():
-        raise Skip("numba has no CUDA here")
-    return cuda
-
-
-def _jax_ptr(x):
-    return x.unsafe_buffer_pointer()
 
 
 def _cai_ptr(a):
@@ -71,7 +47,7 @@ def jax_minmax(x):
 # --- imports ------------------------------------------------------------------
 
 def _cupy_import(memory):
-    cp = _cupy()
+    cp = need_cupy()
     pool = None
     if memory == "managed":
         pool = cp.cuda.MemoryPool(cp.cuda.malloc_managed)
@@ -91,16 +67,16 @@ def _cupy_import(memory):
         spin_fill(base, float(k), ms=TRIAL_MS, stream=s)
         return a, s, lambda: not s.done
 
-    return Case(source=a, source_ptr=a.data.ptr, expected=cp.asnumpy(a), result_ptr=_jax_ptr,
+    return Case(source=a, source_ptr=a.data.ptr, expected=cp.asnumpy(a), result_ptr=jax_ptr,
                 read=np.asarray, minmax=jax_minmax, trial=trial, sync=s.synchronize, keep=pool)
 
 
 def _torch_import(memory, cai=False):
-    torch = _torch()
+    torch = need_torch()
     if memory == "pinned":
         t = torch.arange(N, dtype=torch.float32).pin_memory()
         return Case(source=t, source_ptr=t.data_ptr(), expected=t.numpy().copy(),
-                    result_ptr=_jax_ptr, read=np.asarray, no_trial=PINNED_NO_STREAM)
+                    result_ptr=jax_ptr, read=np.asarray, no_trial=PINNED_NO_STREAM)
     t = torch.arange(N, dtype=torch.float32, device="cuda")
     s = torch.cuda.Stream()
     torch.cuda.synchronize()
@@ -111,26 +87,26 @@ def _torch_import(memory, cai=False):
             t.fill_(float(k))
         return t, torch.cuda.stream(s), lambda: not s.query()
 
-    return Case(source=t, source_ptr=t.data_ptr(), expected=t.cpu().numpy(), result_ptr=_jax_ptr,
+    return Case(source=t, source_ptr=t.data_ptr(), expected=t.cpu().numpy(), result_ptr=jax_ptr,
                 read=np.asarray, minmax=jax_minmax, trial=trial, sync=s.synchronize,
                 note=TORCH_CAI if cai else None)
 
 
 def _numba_import(memory, protocol="CAI"):
-    cuda = _numba()
+    cuda = need_numba()
     host = np.arange(N, dtype=np.float32)
     if memory in ("pinned", "managed"):
         m = (cuda.mapped_array if memory == "pinned" else cuda.managed_array)(N, np.float32)
         m[:] = host
         cuda.synchronize()
-        return Case(source=m, source_ptr=_cai_ptr(m), expected=host, result_ptr=_jax_ptr,
+        return Case(source=m, source_ptr=_cai_ptr(m), expected=host, result_ptr=jax_ptr,
                     read=np.asarray,
                     no_trial=PINNED_NO_STREAM if memory == "pinned" else MANAGED_BY_HOST)
     d = cuda.to_device(host)
     cuda.synchronize()
     if protocol != "CAI" and not hasattr(d, "__dlpack__"):
         raise NotApplicable("Numba's device arrays have no __dlpack__")
-    case = Case(source=d, source_ptr=_cai_ptr(d), expected=host, result_ptr=_jax_ptr,
+    case = Case(source=d, source_ptr=_cai_ptr(d), expected=host, result_ptr=jax_ptr,
                 read=np.asarray, minmax=jax_minmax)
     # In flight: an array bound to a Numba stream (its CAI exports that
     # stream), written there by CuPy's kernel: this numba-cuda may be unable
@@ -160,7 +136,7 @@ def _numba_import(memory, protocol="CAI"):
 # --- exports ------------------------------------------------------------------
 
 def _cupy_consumer(protocol):
-    cp = _cupy()
+    cp = need_cupy()
     # Values are read by a CuPy kernel first, as CuPy code reads a view
     # (of device or pinned memory), then copied from device memory.
     return (cp.asarray if protocol == "CAI" else cp.from_dlpack, lambda c: c.data.ptr,
@@ -168,14 +144,14 @@ def _cupy_consumer(protocol):
 
 
 def _torch_consumer(protocol):
-    torch = _torch()
+    torch = need_torch()
     convert = (lambda o: torch.as_tensor(o, device="cuda")) if protocol == "CAI" else torch.from_dlpack
     return (convert, lambda t: t.data_ptr(), lambda t: t.cpu().numpy(),
             lambda t: (t.min().item(), t.max().item()))
 
 
 def _numba_consumer(protocol):
-    cuda = _numba()
+    cuda = need_numba()
     convert = cuda.as_cuda_array if protocol == "CAI" else getattr(cuda, "from_dlpack", None)
     if convert is None:
         raise NotApplicable("numba.cuda has no from_dlpack")
@@ -191,7 +167,7 @@ def _torch_cpu_consumer(protocol):
     """PyTorch refuses kDLCUDAHost, even its own pinned tensors: a
     pinned_host array reaches it as a CPU tensor of the same memory, through
     a kDLCPU capsule (dl_device=(1, 0)), which waits for a pending write."""
-    torch = _torch()
+    torch = need_torch()
     return (lambda x: torch.from_dlpack(x.__dlpack__(dl_device=(1, 0))), lambda t: t.data_ptr(),
             lambda t: t.numpy(), None)
 
@@ -199,7 +175,7 @@ def _torch_cpu_consumer(protocol):
 def _numba_kernel_consumer(protocol):
     """A @cuda.jit kernel given the JAX array itself: Numba types the
     argument through its protocols and launches on its default stream."""
-    cuda = _numba()
+    cuda = need_numba()
     try:
         kernel = _numba_copy_kernel(cuda)
     except AttributeError as e:  # numba-cuda's own NumPy incompatibility

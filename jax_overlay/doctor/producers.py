@@ -1,11 +1,14 @@
 """Room: the doctor's producers.  Producers that are still busy when their array changes hands, for the
 doctor, the GPU tests and the benchmarks: a CuPy kernel that keeps a stream
 busy and then writes, PyTorch's sleep kernel, and a JAX computation that is
-still running after dispatch.  CuPy and PyTorch are imported on first use."""
+still running after dispatch; and the views an array changes hands through
+(one protocol only: WithStream, CAIView, DLPackView).  CuPy and PyTorch are
+imported on first use."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +98,7 @@ def jax_fill(k, *, steps=300, n=JAX_N):
     done before its consumer reads proves nothing.  Without CuPy, the loop."""
     start = seed(n)
     try:
-        import cupy  # noqa: F401  (the spin kernel's)
+        importlib.import_module("cupy")  # the spin kernel's
     except ImportError:
         return jax_busy(float(k), start, steps)
     from .. import _runtime as rt
@@ -125,3 +128,61 @@ class WithStream:
     @property
     def __cuda_array_interface__(self):
         return self.cai
+
+
+# --- protocol views ---------------------------------------------------------
+
+class CAIView:
+    """Only the CUDA Array Interface of `obj`, so a consumer that knows DLPack
+    too cannot take it instead.  `probe`, if given, runs right after `obj`'s
+    property first returns (exports: is the computation still running?)."""
+
+    def __init__(self, obj, probe=None):
+        self.obj, self.probe, self.after = obj, probe, None
+
+    @property
+    def __cuda_array_interface__(self):
+        cai = self.obj.__cuda_array_interface__
+        if self.probe is not None and self.after is None:
+            self.after = self.probe()
+        return cai
+
+
+class DLPackView:
+    """`obj`'s DLPack, offered as a legacy producer offers it (legacy=True:
+    the pre-2023 ``__dlpack__(stream=None)``, so a consumer that passes
+    ``max_version`` gets TypeError and must retry the legacy call) or passed
+    through.  Records which capsule it handed out, whether `obj` itself
+    raised, and runs `probe` like CAIView."""
+
+    def __init__(self, obj, *, legacy=False, probe=None, record=True):
+        self.obj, self.legacy, self.probe, self.record = obj, legacy, probe, record
+        self.after = self.capsule = self.producer_error = None
+        self.refused = False
+
+    def __dlpack__(self, stream=None, **kwargs):
+        if self.legacy and kwargs:
+            self.refused = True
+            raise TypeError(f"__dlpack__() got unexpected keyword arguments {sorted(kwargs)} "
+                            "(a legacy DLPack producer)")
+        try:
+            cap = self.obj.__dlpack__(stream=stream, **kwargs)
+        except Exception as e:
+            self.producer_error = e
+            raise
+        if self.record:
+            self.capsule = _capsule_kind(cap)
+        if self.probe is not None and self.after is None:
+            self.after = self.probe()
+        return cap
+
+    def __dlpack_device__(self):
+        return self.obj.__dlpack_device__()
+
+
+def _capsule_kind(cap):
+    from .. import _xla_ext as ext
+    try:
+        return "versioned" if ext.capsule_info(cap)["versioned"] else "legacy"
+    except Exception:  # noqa: BLE001 - a capsule we cannot read: say nothing
+        return None

@@ -22,8 +22,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_overlay  # noqa: E402
-from jax_overlay.doctor import workloads  # noqa: E402
-from jax_overlay.doctor.workloads import counted, in_threads, jax_mlp, torch_mlp  # noqa: E402
+import workloads  # noqa: E402
+from workloads import counted, in_threads, jax_mlp, torch_mlp  # noqa: E402
 
 CPU = jax.devices("cpu")[0]
 SCALAR = jax.ShapeDtypeStruct((), np.float32)

@@ -210,7 +210,7 @@ def case_host_sync():
 def case_training():
     """100 SGD steps of the MLP with vjp="autograd" and replay=True,
     against the same model in JAX; fn's Python runs counted."""
-    from jax_overlay.doctor.workloads import jax_mlp, mlp_params, sgd, torch_mlp
+    from workloads import jax_mlp, mlp_params, sgd, torch_mlp  # tests/: on PYTHONPATH (conftest)
     fn, runs = counted(torch_mlp)
     scalar = jax.ShapeDtypeStruct((), np.float32)
     f = jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=scalar,

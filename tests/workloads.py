@@ -1,9 +1,10 @@
-"""Room: the doctor's workloads.  One training step written twice, in
+"""Test helpers (never in the wheel): one training step written twice, in
 PyTorch and in JAX, for the tests and the benchmark of ``foreign(...,
 vjp="autograd")`` (tests/cpu/test_foreign_saved_graph.py,
-tests/gpu/test_foreign_saved_graph_gpu.py, benchmarks/bench_train_step.py):
-an MLP with one tanh hidden layer, 10 outputs and, as its loss, the mean
-square of its output.  PyTorch is imported on first use."""
+tests/gpu/test_foreign_saved_graph_gpu.py, tests/gpu/replay_worker.py,
+benchmarks/bench_train_step.py): an MLP with one tanh hidden layer, 10
+outputs and, as its loss, the mean square of its output.  PyTorch is
+imported on first use."""
 
 from __future__ import annotations
 
