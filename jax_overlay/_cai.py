@@ -34,12 +34,11 @@ def _typestr(dtype):
 
 def _check(x, host=False):
     """The precise error for an array the fast path turned away."""
-    if isinstance(x, rt.ArrayImpl) and x.is_deleted():
+    if isinstance(x, rt.ArrayImpl):
         # An AttributeError too: hasattr(x, "__cuda_array_interface__") says
         # False for a deleted or donated array, as on stock, and never raises.
-        raise like_stock(BufferError(
-            "the JAX array was deleted or donated: its buffer is gone, so it has "
-            "no __cuda_array_interface__"), AttributeError)
+        rt.refuse_deleted(x, "the JAX array", "it has no __cuda_array_interface__",
+                          lambda msg: like_stock(BufferError(msg), AttributeError))
     rt.check_live(x)
     rt.check_one_buffer(x, "__cuda_array_interface__", AttributeError)
     device = next(iter(x.sharding.device_set))
@@ -212,21 +211,22 @@ def _ordered_stream(plan, device):
 
 
 def _empty(view, host):
-    kind, dev = "device", None
     if host:
-        dev = rt.host_device()
-    elif view.data:
+        return _view.empty_at(view.shape, view.typestr, _vocab.KDLCPU, rt.host_device())
+    dl_type, dev = _vocab.KDLCUDA, None
+    if view.data:
         # A zero-size slice still points into its allocation: the GPU that
         # owns it, not the current or the first one.
         info = ext.pointer_info(view.data)
         if info.kind != "not_cuda":
             dev = rt.gpu_device(info.ordinal)
-            kind = "pinned_host" if info.kind == "pinned_host" else "device"
+            if info.kind == "pinned_host":
+                dl_type = _vocab.KDLCUDAHOST
     if dev is None:
         # A null pointer (CuPy's and PyTorch's zero-size arrays) belongs to
         # no device: JAX's first GPU; device= places it elsewhere.
         dev = rt.gpu_backend().local_devices()[0]
-    return _view.empty(view.shape, view.typestr, rt.memory_sharding(dev, kind))
+    return _view.empty_at(view.shape, view.typestr, dl_type, dev)
 
 
 def import_cai(obj, cai=None, *, copy=None, host=False):

@@ -105,10 +105,8 @@ def _dl_check(x):
     """The precise error for an array the fast path turned away: TypeError
     for anything but a jax.Array, BufferError for a deleted or sharded
     one."""
-    if isinstance(x, rt.ArrayImpl) and x.is_deleted():
-        raise BufferError(
-            "the JAX array was deleted or donated: its buffer is gone, so it has "
-            "no __dlpack__")
+    if isinstance(x, rt.ArrayImpl):
+        rt.refuse_deleted(x, "the JAX array", "it has no __dlpack__")
     rt.check_live(x)
     rt.check_one_buffer(x, "__dlpack__", BufferError)
 
@@ -155,13 +153,8 @@ def _device_of(x):
     sharding = x.sharding
     if type(sharding) is jax.sharding.SingleDeviceSharding:
         return sharding._device
-    devices = sharding.device_set
-    if len(devices) != 1:
-        raise BufferError(
-            f"__dlpack__ describes one buffer, but this array is sharded "
-            f"over {len(devices)} devices; export each shard instead: "
-            f"{rt.PER_SHARD}.__dlpack__")
-    device, = devices
+    rt.check_one_buffer(x, "__dlpack__", BufferError)
+    device, = sharding.device_set
     return device
 
 
@@ -618,9 +611,6 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None, resolve=No
 
 
 def _empty(shape, dtype, dl_type, dl_id, host_device):
-    if dl_type == KDLCPU:
-        target = host_device or rt.cpu_device(dl_id) or rt.host_device()
-    else:
-        kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"
-        target = rt.memory_sharding(rt.gpu_device(dl_id), kind)
-    return _view.empty(shape, dtype, target)
+    device = (host_device or rt.cpu_device(dl_id) or rt.host_device() if dl_type == KDLCPU
+              else rt.gpu_device(dl_id))
+    return _view.empty_at(shape, dtype, dl_type, device)

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _runtime as rt
 from . import _xla_ext as ext
 from . import peers
 from .peers._base import buffer_facts
@@ -236,11 +237,9 @@ def _check_placement(args, framework):
     for i, x in arrays:
         sharding: Any = x.sharding  # jaxlib types its devices loosely
         devices = sharding.device_set
-        if len(devices) > 1:
-            raise ValueError(
-                f"input {i} is sharded over {len(devices)} devices; a foreign function runs on "
-                "one device's buffers: gather it first (jax.device_put(x, device)), or call the "
-                "foreign function per shard inside jax.shard_map")
+        rt.refuse_sharded(x, f"input {i}", ValueError, "a foreign function runs on one "
+                          "device's buffers: gather it first (jax.device_put(x, device)), or "
+                          "call the foreign function per shard inside jax.shard_map")
         if getattr(sharding, "memory_kind", None) == "pinned_host":
             raise ValueError(
                 f"input {i} is in pinned host memory; a foreign function reads device memory: "

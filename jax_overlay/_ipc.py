@@ -399,13 +399,11 @@ def _leaf_error(path, x):
             f"{type(x).__module__}.{type(x).__qualname__}: jnp.asarray it first, or "
             "leave it out of the tree")
     try:
-        rt.check_live(x)
+        rt.refuse_deleted(x, where, "there is nothing to share")
+        rt.refuse_sharded(x, where, BufferError, "share takes single-device arrays: share "
+                          "[s.data for s in x.addressable_shards] instead")
     except BufferError as e:
-        return BufferError(f"{where}: {e}")
-    if len(x.sharding.device_set) != 1:
-        return BufferError(
-            f"{where} is sharded over {len(x.sharding.device_set)} devices; share takes "
-            "single-device arrays: share [s.data for s in x.addressable_shards] instead")
+        return e
     dev = next(iter(x.sharding.device_set))
     if getattr(dev, "platform", None) != "gpu":
         return BufferError(

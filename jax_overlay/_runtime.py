@@ -250,16 +250,29 @@ PER_SHARD = ("jax_overlay.to_shards(x) gives each addressable shard's device, "
              "shard.data")
 
 
-def check_one_buffer(x, protocol: str, error: type) -> None:
-    """`error` naming `protocol` where `x` is sharded: the whole-array
-    protocols describe one buffer, and to_shards gives each shard's."""
+def refuse_sharded(x, who: str, error, fix: str) -> None:
+    """The one refusal of an array spread over several devices, for every
+    path that takes one buffer: `error` (a class, or a function of the
+    message) saying "`who` is sharded over N devices; `fix`"."""
     devices = x.sharding.device_set
     if len(devices) != 1:
-        raise error(
-            f"{protocol} is only supported for unsharded arrays. "
-            f"It describes one buffer, but this array is sharded over "
-            f"{len(devices)} devices; export each shard instead: "
-            f"{PER_SHARD}.{protocol}")
+        raise error(f"{who} is sharded over {len(devices)} devices; {fix}")
+
+
+def refuse_deleted(x, who: str, then: str, error=BufferError) -> None:
+    """The one refusal of an array whose buffer is gone (deleted, or
+    donated to a computation): `error` (a class, or a function of the
+    message) saying so, with `then`, what follows for the caller."""
+    if x.is_deleted():
+        raise error(f"{who} was deleted or donated: its buffer is gone, so {then}")
+
+
+def check_one_buffer(x, protocol: str, error) -> None:
+    """`error` naming `protocol` where `x` is sharded: the whole-array
+    protocols describe one buffer, and to_shards gives each shard's."""
+    refuse_sharded(x, f"{protocol} is only supported for unsharded arrays. It describes "
+                      "one buffer, but this array", error,
+                   f"export each shard instead: {PER_SHARD}.{protocol}")
 
 
 def check_live(x):
@@ -267,10 +280,7 @@ def check_live(x):
     deleted or donated one: what every export checks first."""
     if not isinstance(x, ArrayImpl):
         raise TypeError(f"expected a jax.Array, got {type(x).__module__}.{type(x).__qualname__}")
-    if x.is_deleted():
-        raise BufferError(
-            "the JAX array was deleted or donated: its buffer is gone, so there "
-            "is nothing to export")
+    refuse_deleted(x, "the JAX array", "there is nothing to export")
 
 
 _layout_strides: dict[tuple, tuple | None] = {}

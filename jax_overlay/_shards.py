@@ -56,13 +56,9 @@ def _import(name, obj, device, copy):
     if isinstance(obj, jax.Array):
         if not isinstance(obj, rt.ArrayImpl):
             raise TypeError(f"{name} is a traced {_name(obj)}; from_shards takes concrete arrays")
-        if obj.is_deleted():
-            raise BufferError(f"{name} was deleted or donated: its buffer is gone")
-        n = len(obj.sharding.device_set)
-        if n != 1:
-            raise BufferError(
-                f"{name} is itself sharded over {n} devices; pass single-device "
-                "arrays (jax_overlay.to_shards(a) gives a sharded array's)")
+        rt.refuse_deleted(obj, name, "from_shards has nothing to place")
+        rt.refuse_sharded(obj, name, BufferError, "pass single-device arrays "
+                          "(jax_overlay.to_shards(a) gives a sharded array's)")
         return _view.finish(obj, False, copy=copy)
     # Host memory belongs to every CPU device: viewed on this position's
     # device when that is a CPU, else on the first CPU, where the placement

@@ -25,6 +25,17 @@ def empty(shape, dtype, target):
         return rt.device_put(np.empty(shape, dtype), target)
 
 
+def empty_at(shape, dtype, dl_type, device):
+    """The zero-size import of memory of DLPack type `dl_type` on `device`,
+    for both protocols: host memory on that CPU device, pinned host memory
+    in the GPU's pinned_host memory, device and managed memory in its device
+    memory."""
+    if dl_type == KDLCPU:
+        return empty(shape, dtype, device)
+    kind = "pinned_host" if dl_type == KDLCUDAHOST else "device"
+    return empty(shape, dtype, rt.memory_sharding(device, kind))
+
+
 def import_view(cap, device, copy, dl_type, stream=None):
     """jaxlib's import of a capsule a view can hold, for every import path.
     `stream`: None where the producer's data is written, else the ready
