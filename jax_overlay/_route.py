@@ -154,6 +154,15 @@ def from_dlpack(x: Any, /, *, device: jax.Device | jax.sharding.Sharding | None 
       (BufferError with ``copy=False``); ``device=`` and ``copy=True`` as in
       :func:`from_cuda_array_interface`.
     """
+    return import_dlpack(x, device, copy, host_view=True)
+
+
+def import_dlpack(x, device, copy, *, host_view):
+    """from_dlpack, for the explicit function (`host_view`: host memory is
+    viewed on the CPU device `device` names) and for the installed
+    jax.dlpack.from_dlpack and jnp.from_dlpack, which place host memory as
+    stock does (on the producer's CPU device, then a copy to `device`: a new
+    buffer where stock makes one)."""
     try:
         if device is None:  # the common call, without the checks below
             arr, copied = _import(x, copy)
@@ -163,7 +172,7 @@ def from_dlpack(x: Any, /, *, device: jax.Device | jax.sharding.Sharding | None 
                 f"device={device} spans {len(device.device_set)} devices; from_dlpack "
                 "imports one buffer: pass one device, then jax.device_put the result "
                 "onto the sharding")
-        arr, copied = _import(x, copy, _cpu_target(device))
+        arr, copied = _import(x, copy, _cpu_target(device) if host_view else None)
         return _view.finish(arr, copied, device=device, copy=copy)
     except (BufferError, ValueError, TypeError, RuntimeError) as e:
         stock = _dlpack.refused_by_stock_as(x)

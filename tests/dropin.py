@@ -252,6 +252,46 @@ def same_result(a, b):
     return None  # capsules and the like are compared through their consumers
 
 
+def _pointer(obj):
+    """Where `obj`'s data starts, where it says without being consumed
+    (JAX arrays, NumPy, the CUDA Array Interface, PyTorch), else None."""
+    try:
+        if isinstance(obj, jax.Array):
+            return obj.unsafe_buffer_pointer()
+        for attr in ("__array_interface__", "__cuda_array_interface__"):
+            d = getattr(obj, attr, None)
+            if isinstance(d, dict):
+                return d["data"][0]
+        if callable(getattr(obj, "data_ptr", None)):
+            return obj.data_ptr()
+    except Exception:  # sharded, deleted, or not telling: unknown
+        return None
+    return None
+
+
+def aliases(result, made):
+    """Whether a JAX array `result` is a view of the input `made` (same data
+    pointer), or None where that cannot be told (no array, zero size, an
+    input that does not say where its data is)."""
+    if not isinstance(result, jax.Array) or made is None or result.size == 0:
+        return None
+    a, b = _pointer(result), _pointer(made)
+    return None if not a or not b else a == b
+
+
+class MadeInput:
+    """A case's thunk that keeps the input it made (`made`), so the
+    differential can tell a new buffer from a view of the input."""
+
+    def __init__(self, entry, make, copy, device):
+        self.entry, self.make, self.copy, self.device = entry, make, copy, device
+        self.made = None
+
+    def __call__(self):
+        self.made = self.make()
+        return self.entry(self.made, self.copy, self.device)
+
+
 def compare(stock, ours):
     """None if the installed outcome obeys the rule, else the difference."""
     if stock.error is None:
@@ -310,9 +350,13 @@ def differential(cases):
             # asynchronously, and that failure is stock's, never the next
             # read's.
             unsafe = None if stock.error is not None else wrong(stock.result, want)
+            stock_view = aliases(stock.result, getattr(thunk, "made", None))
             jax_overlay.install()
             check_installed()
             ours = run(thunk)
+            ours_view = aliases(ours.result, getattr(thunk, "made", None))
+            if hasattr(thunk, "made"):
+                thunk.made = None
             counts["stock ok" if stock.error is None else "stock raised"] += 1
             if stock.error is not None and ours.error is None:
                 counts["installed works where stock raised"] += 1
@@ -331,6 +375,12 @@ def differential(cases):
                     why = f"stock {stock.describe()} (unsafe: {unsafe}), installed {ours.describe()}"
             else:
                 why = compare(stock, ours)
+                if why is None and stock_view is False and ours_view:
+                    # Stock made a new buffer: installed must not hand back
+                    # the input's (a later donation or deletion of one
+                    # would take the other).
+                    why = (f"stock returned a new buffer, installed {ours.describe()} "
+                           "is a view of the input")
             if why is not None:
                 diffs.append(f"{label}: {why}")
             del stock, ours
@@ -348,8 +398,7 @@ def import_cases(entries, producers, coords, truth=None):
     for (ename, entry), (pname, make), (copy, dname, device) in itertools.product(
             entries.items(), producers.items(), coords):
         yield (f"{ename}({pname}, copy={copy}, device={dname})",
-               lambda entry=entry, make=make, copy=copy, device=device:
-               entry(make(), copy, device),
+               MadeInput(entry, make, copy, device),
                None if truth is None else lambda make=make: truth(make()))
 
 

@@ -51,6 +51,26 @@ def case_copy_true_to_the_arrays_own_device_copies(n):
             assert info["data"] != x.unsafe_buffer_pointer() and info["flags"] & ext.FLAG_IS_COPIED
 
 
+@on(2)
+def case_imports_of_a_jax_array_on_another_device_alias_only_where_stock_does(n):
+    """The differential compares aliasing: wherever stock makes a new
+    buffer of a JAX array on cpu:1 (copy=True, a dtype, another device),
+    installed must too."""
+    cpu = jax.devices("cpu")
+    entries = {"jnp.asarray": lambda x, copy, d: jnp.asarray(x, copy=copy, device=d),
+               "jnp.array": lambda x, copy, d: jnp.array(x, copy=copy, device=d),
+               "jax.device_put": lambda x, copy, d: jax.device_put(x, d, may_alias=None if copy is None else not copy),
+               "jnp.from_dlpack": lambda x, copy, d: jnp.from_dlpack(x, copy=copy, device=d),
+               "jax.dlpack.from_dlpack": lambda x, copy, d: jax.dlpack.from_dlpack(x, copy=copy, device=d)}
+    cases = [(f"{name}(cpu1 array, copy={copy}, device={d})",
+              dropin.MadeInput(entry, lambda: _on(1), copy, d), None)
+             for name, entry in entries.items() for copy in (None, True, False)
+             for d in (None, cpu[1], cpu[0])]
+    diffs, counts = dropin.differential(cases)
+    assert not diffs, "\n".join(diffs)
+    assert counts["stock ok"] > 10, counts
+
+
 # --- 2. CPU device ids ----------------------------------------------------------
 
 @on(2)
