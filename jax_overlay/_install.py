@@ -289,7 +289,9 @@ def _array(orig):
     @functools.wraps(orig)
     def array(object, dtype=None, *, copy=True, order="K", ndmin=0,
               device=None, **kwargs):
-        if type(object) in _JAX_NATIVE:  # as in asarray
+        if type(object) in _JAX_NATIVE or order not in (None, "K"):
+            # JAX's own types, and an order stock refuses first (its
+            # NotImplementedError before anything reads the object).
             return orig(object, dtype, copy=copy, order=order, ndmin=ndmin, device=device, **kwargs)
 
         def finish(view, copied):

@@ -13,9 +13,13 @@ processes of the same user.  A receiver maps each allocation once per
 process while any of its opened arrays lives.
 
 Ordering: the share waits on its own stream for every array's pending
-computation and records an interprocess event there; a receiver's JAX
-compute stream (or its framework's current stream) waits on that event on
-the GPU.  No host waits on either side.
+computation and records an interprocess event there; a JAX receiver's
+ready stream waits on that event on the GPU and defines the opened arrays
+behind it (a framework receiver's current stream waits on it instead).
+No host waits on either side.
+
+A share is a name: the exporter's socket, the share's id and a random
+token.  The layout a receiver maps comes from the exporter's answer.
 
 Lifetime: the exporter holds every shared array (through a PJRT external
 reference, which also refuses donation) while the share is unreleased or

@@ -142,8 +142,9 @@ def from_dlpack(x: Any, /, *, device: jax.Device | jax.sharding.Sharding | None 
       only.  READ_ONLY tensors (read-only NumPy arrays) import zero-copy.
     * Device types kDLCPU, kDLCUDA, kDLCUDAHost (a ``pinned_host`` array) and
       kDLCUDAManaged (a device array); anything else raises BufferError.
-    * GPU producers order JAX's compute stream after their pending work: the
-      host never waits.
+    * GPU producers order a PJRT ready stream after their pending work, and
+      the array is defined behind it: every reader waits, the host never
+      does.
     * Placed on the device that owns the memory: the GPU of the
       producer's ``__dlpack_device__``, whatever device is current (the
       producer's ``__dlpack__`` is called with its own device current).

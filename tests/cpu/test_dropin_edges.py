@@ -71,6 +71,21 @@ def case_imports_of_a_jax_array_on_another_device_alias_only_where_stock_does(n)
     assert counts["stock ok"] > 10, counts
 
 
+def test_stock_argument_checks_come_first():
+    """jnp.array's order= check is stock's first: installed, a strided NumPy
+    subclass with a bad ndmin and order='C' still raises stock's
+    NotImplementedError, not a TypeError of the overlay's own checks."""
+    class Sub(np.ndarray):
+        pass
+    x = np.arange(12.0).reshape(3, 4)[:, ::2].view(Sub)
+    cases = [("jnp.array(order='C', ndmin='x')",
+              lambda: jnp.array(x, copy=False, ndmin="x", order="C")),
+             ("jnp.array(order='F')", lambda: jnp.array(x, order="F"))]
+    diffs, counts = dropin.differential((label, thunk, None) for label, thunk in cases)
+    assert not diffs, "\n".join(diffs)
+    assert counts["stock raised"] == 2, counts
+
+
 # --- 2. CPU device ids ----------------------------------------------------------
 
 @on(2)
