@@ -348,7 +348,7 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__qualname__}")
     if isinstance(vjp, str) and (vjp != "autograd" or peer.autograd is None):
-        with_autograd = " or ".join(repr(n) for n, p in peers.REGISTRY.items() if p.autograd)
+        with_autograd = peers.with_autograd()
         raise ValueError(
             f"vjp={vjp!r}: the one named vjp is 'autograd', for framework={with_autograd}; "
             "otherwise pass a function of the same framework")
@@ -540,7 +540,7 @@ def _explained(e, fn):
     name = getattr(fn, "__qualname__", fn)
     text = str(e)
     if isinstance(e, ValueError) and "do not support JVP" in text:
-        autograd = " or ".join(repr(n) for n, p in peers.REGISTRY.items() if p.autograd)
+        autograd = peers.with_autograd()
         return ValueError(
             f"the foreign function {name!r} has no derivative: pass foreign(..., vjp=...) a "
             "function of (inputs..., cotangent) returning one cotangent per input, or "

@@ -755,7 +755,7 @@ def _open_jax(event, treedef, leaves, opened, ordinal):
 
 
 def _open_peer(share, event, treedef, leaves, opened, ordinal, framework):
-    peer = peers.REGISTRY[framework]
+    peer = peers.share_peer(framework)
     opened.sync = ordinal  # the framework frees without waiting for its streams
     ext.wait_ipc_event(ordinal, event, peer.current_stream(ordinal))
     out = []
@@ -789,7 +789,7 @@ def _same_process(share, framework):
         _EXPORTER._drop(share.share_id)
     if framework == "jax":
         return tree
-    peer = peers.REGISTRY[framework]
+    peer = peers.share_peer(framework)
 
     def wrap(x):
         ordinal = ext.pointer_info(x.unsafe_buffer_pointer()).ordinal if x.size else 0

@@ -16,14 +16,17 @@ docs/ARCHITECTURE.md walks through one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-from ._base import GENERIC, Peer
+from ._base import GENERIC, Adapter, ForeignEndpoint, Peer, ShareEndpoint
 
 REGISTRY: dict[str, Peer] = {}
 
 
-def register(peer: Peer) -> Peer:
+_P = TypeVar("_P", bound=Peer)
+
+
+def register(peer: _P) -> _P:
     """Adds `peer` under its name; one peer per name."""
     if peer.name in REGISTRY:
         raise ValueError(f"a peer named {peer.name!r} is registered already")
@@ -59,32 +62,50 @@ def resolve(obj: Any, copy: bool | None) -> tuple[Any, bool]:
     return (obj, False) if peer is None else peer.resolve(obj, copy)
 
 
+def having(capability: type) -> dict[str, Any]:
+    """{name: peer} of the peers with `capability` (ForeignEndpoint,
+    ShareEndpoint), in registration order: how a feature finds its peers."""
+    return {name: peer for name, peer in REGISTRY.items() if isinstance(peer, capability)}
+
+
 def frameworks() -> tuple[str, ...]:
     """The names ``jax_overlay.foreign(framework=...)`` takes."""
-    return tuple(name for name, peer in REGISTRY.items() if peer.runs_on is not False)
+    return tuple(having(ForeignEndpoint))
 
 
 def share_frameworks() -> tuple[str, ...]:
     """The names ``open_shared(framework=...)`` takes: JAX's own, and the
     peers that open shares."""
-    return ("jax",) + tuple(name for name, peer in REGISTRY.items() if peer.opens_shares)
+    return ("jax",) + tuple(having(ShareEndpoint))
+
+
+def share_peer(framework: str) -> Any:
+    """The peer of ``open_shared(framework=...)`` (a ShareEndpoint)."""
+    return having(ShareEndpoint)[framework]
 
 
 def where(place: str) -> str:
     """The frameworks that run on `place` ("cpu" or "gpu"), for messages."""
-    names = [repr(n) for n, p in REGISTRY.items() if p.runs_on in (place, None)]
+    names = [repr(n) for n, p in having(ForeignEndpoint).items() if p.runs_on in (place, None)]
     return " or ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def foreign_peer(framework: str) -> Peer:
-    """The peer of ``foreign(framework=...)``; ValueError naming the choices."""
-    peer = REGISTRY.get(framework) if isinstance(framework, str) else None
-    if peer is None or peer.runs_on is False:
+def with_autograd() -> str:
+    """The frameworks of ``foreign(vjp="autograd")``, for messages."""
+    return " or ".join(repr(n) for n, p in having(ForeignEndpoint).items() if p.autograd)
+
+
+def foreign_peer(framework: str) -> Any:
+    """The peer of ``foreign(framework=...)`` (a ForeignEndpoint); ValueError
+    naming the choices."""
+    peer = having(ForeignEndpoint).get(framework) if isinstance(framework, str) else None
+    if peer is None:
         raise ValueError(f"framework={framework!r}: pass one of {', '.join(map(repr, frameworks()))}")
     return peer
 
 
 from . import numpy, torch, cupy, numba  # noqa: E402  (each registers itself)
 
-__all__ = ["GENERIC", "Peer", "REGISTRY", "cupy", "foreign_peer", "frameworks", "numba", "numpy",
-           "peer_of", "register", "resolve", "share_frameworks", "torch", "where"]
+__all__ = ["GENERIC", "Adapter", "ForeignEndpoint", "Peer", "REGISTRY", "ShareEndpoint", "cupy",
+           "foreign_peer", "frameworks", "having", "numba", "numpy", "peer_of", "register",
+           "resolve", "share_frameworks", "share_peer", "torch", "where", "with_autograd"]

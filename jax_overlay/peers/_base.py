@@ -22,27 +22,17 @@ GENERIC: Any = object()
 
 
 class Peer:
-    """One array library.  Subclasses set the names and override what is
-    true of their library; the defaults describe a well-behaved producer."""
+    """One array library, as the import paths see it: its names and its
+    import quirks.  Subclasses set the names and override what is true of
+    their library; the defaults describe a well-behaved producer.  What
+    else a library offers is a capability, a class of its own mixed in:
+    ForeignEndpoint (``foreign(framework=...)``) and ShareEndpoint
+    (``open_shared(framework=...)``); features ask the registry for a
+    capability (``peers.having``), never for a library by name."""
 
-    name = ""        # foreign()'s framework=, and the registry's key
+    name = ""        # the registry's key, and framework= of its endpoints
     title = ""       # the library's name in messages ("PyTorch")
     distribution = ""  # its distribution on PyPI, for the doctor's versions
-    # Where its foreign() adapter runs: "cpu", "gpu", None (both), or False
-    # (no adapter).
-    runs_on: str | None | bool = False
-
-    # fn -> fn differentiated by the library's own autodiff
-    # (foreign(vjp="autograd")), an object whose methods are foreign
-    # functions of this framework, each first given `need` (per flat input
-    # leaf, whether JAX wants its cotangent): forward(need, *inputs) ->
-    # (outputs, ticket), keeping fn's graph; backward(need, *inputs, ticket,
-    # cotangent) and recompute(need, *inputs, cotangent) (fn run again) ->
-    # the needed cotangents, flat.  None: the library has no autodiff.
-    autograd: Any = None
-    # Whether open_shared(framework=name) can hand out the library's arrays:
-    # the share endpoint (current_stream, wrap_capsule, came_from_share).
-    opens_shares = False
 
     def owns(self, t: type) -> bool:
         """Whether `t` is the library's array type: one rule, by type, that
@@ -60,20 +50,46 @@ class Peer:
         for the generic rule."""
         return GENERIC
 
+
+class ForeignEndpoint:
+    """Capability: ``jax_overlay.foreign(fn, framework=name)`` runs the
+    library's code on XLA's buffers, through an Adapter."""
+
+    # Where its adapter runs: "cpu", "gpu", or None (both).
+    runs_on: str | None = None
+    # fn -> fn differentiated by the library's own autodiff
+    # (foreign(vjp="autograd")), an object whose methods are foreign
+    # functions of this framework, each first given `need` (per flat input
+    # leaf, whether JAX wants its cotangent): forward(need, *inputs) ->
+    # (outputs, ticket), keeping fn's graph; backward(need, *inputs, ticket,
+    # cotangent) and recompute(need, *inputs, cotangent) (fn run again) ->
+    # the needed cotangents, flat.  None: the library has no autodiff.
+    autograd: Any = None
+
+    def adapter(self) -> "Adapter":
+        """A new adapter of ``foreign()`` (the library imported now)."""
+        raise NotImplementedError
+
     def stream(self, handle: int, ordinal: int) -> Any:
         """The library's stream object over a CUDA stream handle it does not
         own (never destroyed by the library)."""
-        raise NotImplementedError(f"{self.title} has no stream type here")
+        raise NotImplementedError
 
-    def adapter(self) -> Any:
-        """A new adapter of ``foreign()`` (the library imported now)."""
-        raise NotImplementedError(f"{self.title} has no foreign() adapter")
+
+class ShareEndpoint:
+    """Capability: ``open_shared(share, framework=name)`` hands out the
+    library's arrays over a share's mappings."""
 
     def current_stream(self, ordinal: int) -> int:
         """The handle of the library's current stream on CUDA device
         `ordinal` (0: the legacy default stream), which work on an opened
-        share is ordered behind (``open_shared(framework=...)``)."""
-        raise NotImplementedError(f"{self.title} cannot open shares here")
+        share is ordered behind."""
+        raise NotImplementedError
+
+    def wrap_capsule(self, capsule: Any, ordinal: int) -> Any:
+        """The library's array over a DLPack capsule of CUDA device memory
+        it does not own, holding the capsule's owner until it frees it."""
+        raise NotImplementedError
 
     def came_from_share(self, arrays: list, share: Any, mapped: list, reopen: Any) -> None:
         """Told which of the library's arrays `open_shared` just made from
@@ -82,10 +98,47 @@ class Peer:
         `reopen(share, index, framework)`: how another process opens leaf
         `index` again (picklable; the peer imports no feature module)."""
 
-    def wrap_capsule(self, capsule: Any, ordinal: int) -> Any:
-        """The library's array over a DLPack capsule of CUDA device memory
-        it does not own, holding the capsule's owner until it frees it."""
-        raise NotImplementedError(f"{self.title} cannot open shares here")
+
+class Adapter:
+    """What ``foreign()`` asks of a library's adapter, per call: the device
+    of the call's buffers (`ordinal`), entering and leaving the library's
+    stream (`enter`, `exit`), views of XLA's buffers (`view`), fn's outputs
+    checked (`output`) and copied into XLA's (`copy_into`), and the memory
+    a replay's trace keeps (`capture`)."""
+
+    name = ""
+    array: type | None = None  # the exact type of the library's arrays: a pytree leaf
+
+    def ordinal(self, buffers) -> int | None:
+        raise NotImplementedError
+
+    def enter(self, ctx, ordinal, traced=False):
+        """(the stream fn runs on, what exit() needs)."""
+        raise NotImplementedError
+
+    def exit(self, state) -> None:
+        raise NotImplementedError
+
+    def view(self, b, writeable, tokens):
+        raise NotImplementedError
+
+    def output(self, i, got, view):
+        raise NotImplementedError
+
+    def copy_into(self, view, arr, stream) -> None:
+        raise NotImplementedError
+
+    def capture(self, memory: list) -> Any:
+        """A context for fn's run while XLA traces it into a CUDA graph
+        (``foreign(..., replay=True)``), in which what fn allocates stays
+        reserved for the trace: a replay writes the same addresses with no
+        Python, so memory the library freed and handed to other arrays
+        after the trace would be overwritten.  `memory` is this trace's
+        list, kept as long as any executable can replay it, and shared
+        with the traces that write the same output buffers (never run at
+        once): a pool made into it once serves them all.  The default
+        keeps nothing: for a library that does not allocate on the device."""
+        return contextlib.nullcontext()
 
 
 def mismatch(i, got_dtype, got_shape, want_dtype, want_shape):
@@ -118,7 +171,7 @@ def buffer_facts(b):
     return ptr, shape, dtype, size
 
 
-class GpuAdapter:
+class GpuAdapter(Adapter):
     """A foreign() adapter over XLA's CUDA device buffers: views made with no
     copy, XLA's own stream as the library's stream for the call.
 
@@ -132,11 +185,9 @@ class GpuAdapter:
     field, so any view derived from it holds it too; a token alive after
     the call means ``fn`` kept XLA's memory."""
 
-    name = ""
     array_type = ""
-    array: type | None = None  # the exact type of the library's arrays: a pytree leaf
 
-    def __init__(self, peer: Peer | None = None):
+    def __init__(self, peer: Any = None):  # a Peer with the ForeignEndpoint capability
         self.peer = peer
         if peer is not None:
             self.name = peer.name
@@ -158,18 +209,6 @@ class GpuAdapter:
         """The library's stream object over `handle`: its peer's."""
         assert self.peer is not None, "an adapter without a peer makes its own streams"
         return self.peer.stream(handle, ordinal)
-
-    def capture(self, memory: list) -> Any:
-        """A context for fn's run while XLA traces it into a CUDA graph
-        (``foreign(..., replay=True)``), in which what fn allocates stays
-        reserved for the trace: a replay writes the same addresses with no
-        Python, so memory the library freed and handed to other arrays
-        after the trace would be overwritten.  `memory` is this trace's
-        list, kept as long as any executable can replay it, and shared
-        with the traces that write the same output buffers (never run at
-        once): a pool made into it once serves them all.  The default
-        keeps nothing: for a library that does not allocate on the device."""
-        return contextlib.nullcontext()
 
     def facts(self, got):
         """(shape, NumPy dtype) of an array of the library, else (None, None)."""

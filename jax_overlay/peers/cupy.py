@@ -11,12 +11,11 @@ import warnings
 
 from .._vocab import KDLCUDA
 from . import register
-from ._base import GpuAdapter, Peer, relaxed_capture
+from ._base import ForeignEndpoint, GpuAdapter, Peer, ShareEndpoint, relaxed_capture
 
 
-class CuPy(Peer):
+class CuPy(Peer, ForeignEndpoint, ShareEndpoint):
     name, title, distribution, runs_on = "cupy", "CuPy", "cupy", "gpu"
-    opens_shares = True
 
     def owns(self, t: type) -> bool:
         return any(c.__name__ == "ndarray" and c.__module__.startswith("cupy")

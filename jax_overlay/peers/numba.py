@@ -15,12 +15,12 @@ import numpy as np
 
 from .. import _xla_ext as ext
 from . import register
-from ._base import GpuAdapter, Peer, relaxed_capture
+from ._base import ForeignEndpoint, GpuAdapter, Peer, relaxed_capture
 
 _LEGACY, _PER_THREAD = 1, 2  # the CUDA driver's stream handles
 
 
-class Numba(Peer):
+class Numba(Peer, ForeignEndpoint):
     name, title, distribution, runs_on = "numba", "Numba (numba-cuda)", "numba", "gpu"
 
     def owns(self, t: type) -> bool:

@@ -15,10 +15,10 @@ import numpy as np
 from .._vocab import KDLCPU
 from ..errors import ForeignError
 from . import register
-from ._base import Peer, mismatch
+from ._base import Adapter, ForeignEndpoint, Peer, mismatch
 
 
-class NumPy(Peer):
+class NumPy(Peer, ForeignEndpoint):
     name, title, distribution, runs_on = "numpy", "NumPy", "numpy", "cpu"
 
     def owns(self, t: type) -> bool:
@@ -32,7 +32,7 @@ class NumPy(Peer):
         return Foreign(self)
 
 
-class Foreign:
+class Foreign(Adapter):
     """foreign(framework="numpy"): views of XLA's host buffers as NumPy
     arrays, read-only for inputs."""
     name = "numpy"

@@ -24,12 +24,11 @@ from .._config import config
 from .._vocab import KDLCPU
 from ..errors import ForeignError, JaxRuntimeError, LayoutCopyRequiredError, like_stock
 from . import register
-from ._base import GpuAdapter, Peer, token
+from ._base import ForeignEndpoint, GpuAdapter, Peer, ShareEndpoint, token
 
 
-class Torch(Peer):
+class Torch(Peer, ForeignEndpoint, ShareEndpoint):
     name, title, distribution, runs_on = "torch", "PyTorch", "torch", None
-    opens_shares = True
 
     def owns(self, t: type) -> bool:
         return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in t.__mro__)
