@@ -116,6 +116,23 @@ def installed():
     jax_overlay.uninstall()
 
 
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its differential totals to the controller."""
+    dropin = sys.modules.get("dropin")
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None and dropin is not None:
+        out["dropin_totals"] = dict(dropin.TOTALS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller adds up its workers' differential totals."""
+    totals = getattr(node, "workeroutput", {}).get("dropin_totals")
+    if totals:
+        import dropin
+        dropin.TOTALS.update(totals)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The drop-in differential's totals (tests/dropin.py), when it ran."""
     dropin = sys.modules.get("dropin")

@@ -34,7 +34,14 @@ JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace
 end
 
 begin pytest
-"$PY" -m pytest -q -rs tests
+# Both cores (pytest-xdist, in the test extra): the suite's processes are
+# independent.  JAX_OVERLAY_TEST_JOBS=0 runs it in one process.
+jobs=()
+if [ "${JAX_OVERLAY_TEST_JOBS:-auto}" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
+  jobs=(-n "${JAX_OVERLAY_TEST_JOBS:-auto}")
+fi
+echo "test.sh: pytest ${jobs[*]:-(one process)}: a dot per test as it ends"
+"$PY" -m pytest -q -rs "${jobs[@]}" tests
 end
 
 if [ "${JAX_OVERLAY_SKIP_BAZEL:-0}" != 1 ]; then
