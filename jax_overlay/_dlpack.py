@@ -289,26 +289,59 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
       a pending array exported with ``stream=-1`` has none (getting one would
       mean waiting for it), so do not donate it while that export lives.
     """
-    if dl_device is None and not copy and type(x) is rt.ArrayImpl and (
-            stream is None or type(stream) is int and (stream > 0 or stream == -1)):
-        entry = _dl_ready_facts.get(id(x))
-        # As for the CAI: the weak reference proves the entry is this
-        # array's; a deleted or donated buffer is gone.
-        if entry is not None and entry[0]() is x and not x.is_deleted():
-            ptr, shape, strides, dl_dtype, dl_type, dl_id = entry[1]
-            versioned = _versioned(max_version)
-            if rt.NATIVE_DLPACK_1 and max_version is not None:
-                _jaxlib_arguments(stream, max_version)
-            # Lifetime as below: the array holds its buffer, jaxlib's
-            # external reference blocks donation while a consumer holds it.
-            return ext.raw_capsule((x, rt.external_reference(x)), ptr, shape, strides,
-                                   dl_dtype, dl_type, dl_id, versioned,
-                                   ext.FLAG_READ_ONLY if versioned else 0)
+    cap = _remembered(x, stream, max_version, dl_device, copy)
+    if cap is not None:
+        return cap
     if type(x) is not rt.ArrayImpl or x.is_deleted():
         _dl_check(x)  # the precise error
+    x, target, versioned, copied = _placed(x, dl_device, max_version, copy)
+    _jaxlib_arguments(stream, max_version)
+    dl_dtype = dtype_code(x.dtype)  # jaxlib's refusal: its runtime error
+    ready, reference = _ordered(x, target, stream)
+    dtype = x.dtype
+    strides = rt.byte_strides(x, dtype.itemsize)
+    if strides is not None:
+        strides = [s // dtype.itemsize for s in strides]
+    # Lifetime: the array keeps its buffer alive, the reference blocks donation.
+    owner = x if reference is None else (x, reference)
+    flags = ext.FLAG_READ_ONLY | (ext.FLAG_IS_COPIED if copied else 0)
+    ptr, shape = x.unsafe_buffer_pointer(), list(x.shape)
+    if ready and not copied and type(x) is rt.ArrayImpl:
+        # What a ready array's capsule says never changes while it lives.
+        rt.remember(x, (ptr, shape, strides, dl_dtype, target[0], target[1]), _dl_ready_facts)
+    return ext.raw_capsule(owner, ptr, shape, strides, dl_dtype, target[0], target[1],
+                           versioned, flags if versioned else 0)
+
+
+def _remembered(x, stream, max_version, dl_device, copy):
+    """The capsule of a ready array exported before (its facts remembered),
+    for a call that asks nothing the facts do not answer; else None.  Only
+    the arguments the slow path checks after the facts are checked here."""
+    if dl_device is not None or copy or type(x) is not rt.ArrayImpl or not (
+            stream is None or type(stream) is int and (stream > 0 or stream == -1)):
+        return None
+    entry = _dl_ready_facts.get(id(x))
+    # As for the CAI: the weak reference proves the entry is this array's;
+    # a deleted or donated buffer is gone.
+    if entry is None or entry[0]() is not x or x.is_deleted():
+        return None
+    ptr, shape, strides, dl_dtype, dl_type, dl_id = entry[1]
+    versioned = _versioned(max_version)
+    if rt.NATIVE_DLPACK_1 and max_version is not None:
+        _jaxlib_arguments(stream, max_version)
+    # Lifetime as to_dlpack's: the array holds its buffer, jaxlib's external
+    # reference blocks donation while a consumer holds it.
+    return ext.raw_capsule((x, rt.external_reference(x)), ptr, shape, strides,
+                           dl_dtype, dl_type, dl_id, versioned,
+                           ext.FLAG_READ_ONLY if versioned else 0)
+
+
+def _placed(x, dl_device, max_version, copy):
+    """(array, capsule device, versioned, copied): the array where the
+    consumer asks for it, and a fresh buffer where copy=True, with stock's
+    checks in stock's order: the array's one device, the destination, the
+    version, the copy."""
     source = _device_of(x)  # BufferError for a sharded array, stock's first check
-    # Stock's order: the destination, the version, the copy, then jaxlib's
-    # own checks of what it is passed.
     dest = _dl_destination(dl_device)
     versioned = _versioned(max_version)
     target = _capsule_device(x, source)
@@ -321,16 +354,20 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
                 f"Specified dl_device={dl_device!r} which requires a copy since the "
                 f"source device is {source!r}, however copy=False. Set copy=True or "
                 "copy=None to perform the requested operation.")
-        else:
-            x, copied = rt.device_put(x, dest), True
-            target = _capsule_device(x, dest)
+        x, copied = rt.device_put(x, dest), True
+        target = _capsule_device(x, dest)
     if copy and not copied:
         # A fresh buffer on the same device: device_put to where the array
         # already is would alias it.
         x, copied = rt.device_put(x, x.sharding, may_alias=False), True
-    _jaxlib_arguments(stream, max_version)
-    dl_dtype = dtype_code(x.dtype)  # jaxlib's refusal: its runtime error
-    ready = x.is_ready()  # type: ignore[attr-defined]  # an ArrayImpl: checked above
+    return x, target, versioned, copied
+
+
+def _ordered(x, target, stream):
+    """(ready, PJRT external reference or None): the consumer's `stream`
+    made to wait for `x`'s pending computation on the GPU, or the host for
+    a host reader, who has no stream to wait on."""
+    ready = x.is_ready()
     if target[0] == KDLCPU:
         # Any stream is served: a host reader has none to wait on, so the
         # host waits for the array instead.  (Stock jaxlib serves one for a
@@ -348,27 +385,14 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
     # a consumer holds it; jaxlib's capsule carries it and drops it from its
     # destructor (it is never consumed), so it lives exactly as long as ours.
     if ready:
-        reference = rt.external_reference(x)
-    elif stream != -1:
+        return True, rt.external_reference(x)
+    if stream != -1:
         # The consumer's stream waits, on the GPU, for the array's pending
         # computation (rt.order_stream_after); the capsule jaxlib returns
         # holds PJRT's external reference.
-        reference = rt.order_stream_after(x, _LEGACY_STREAM if stream is None else operator.index(stream))
-    else:
-        reference = None  # unordered and pending: only a host wait could get one
-    dtype = x.dtype
-    strides = rt.byte_strides(x, dtype.itemsize)
-    if strides is not None:
-        strides = [s // dtype.itemsize for s in strides]
-    # Lifetime: the array keeps its buffer alive, the reference blocks donation.
-    owner = x if reference is None else (x, reference)
-    flags = ext.FLAG_READ_ONLY | (ext.FLAG_IS_COPIED if copied else 0)
-    ptr, shape = x.unsafe_buffer_pointer(), list(x.shape)
-    if ready and not copied and type(x) is rt.ArrayImpl:
-        # What a ready array's capsule says never changes while it lives.
-        rt.remember(x, (ptr, shape, strides, dl_dtype, target[0], target[1]), _dl_ready_facts)
-    return ext.raw_capsule(owner, ptr, shape, strides, dl_dtype, target[0], target[1],
-                           versioned, flags if versioned else 0)
+        return False, rt.order_stream_after(
+            x, _LEGACY_STREAM if stream is None else operator.index(stream))
+    return False, None  # unordered and pending: only a host wait could get one
 
 
 # The DLPack export's facts of ready arrays, as _ready_facts for the CAI.
@@ -530,35 +554,12 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None, resolve=No
     `host_device`: the CPU device that views host memory (kDLCPU), which
     belongs to no device in particular; default the CPU device of the
     producer's id, as stock places it."""
-    resolved, stream = False, None
     if type(x) is CapsuleType:
-        cap = x  # the protocol's raw capsule: its data is written
+        cap, stream, resolved = x, None, False  # the protocol's raw capsule: its data is written
     else:
         if advertised is None:
-            device = getattr(x, "__dlpack_device__", None)
-            if device is None or not hasattr(x, "__dlpack__"):
-                raise TypeError(
-                    f"{type(x).__module__}.{type(x).__qualname__} has no __dlpack__ "
-                    "and __dlpack_device__; pass an array of a DLPack producer or a "
-                    "DLPack capsule")
-            advertised = device_of(x)
-        _check_type(advertised[0])
-        # Stock looks the device up before it asks the producer: its error
-        # for a device this process lacks comes first, not the producer's.
-        stock_device(*advertised)
-        # A lazy view (PyTorch exports a negative view's memory unnegated):
-        # resolved first, and the capsule then holds the resolved copy.
-        if resolve is not None:
-            x, resolved = resolve(x, copy)
-        stream = _producer_stream(*advertised)
-        if stream is None or not _gpu_target(advertised[1])[1]:
-            cap = _request(x, stream, copy)
-        else:
-            # The producer's device is made current for the call: PyTorch's
-            # and CuPy's __dlpack__ order the consumer stream after the
-            # *current device's* current stream, so a caller with another
-            # device current would get an order after the wrong device's work.
-            cap = ext.call_on_device(advertised[1], _request, x, stream, copy)
+            advertised = _advertised(x)
+        cap, stream, resolved = _capsule_of(x, advertised, copy, resolve)
     # One native call: BufferError for a consumed capsule, a newer major
     # version or a tensor no consumer can read; a versioned capsule comes back
     # as a legacy one jaxlib reads.  READ_ONLY needs nothing: JAX never writes
@@ -608,6 +609,40 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None, resolve=No
     out = _view.copy_import(cap, view, dtype, jax_type, dl_id if dl_type != KDLCPU else 0,
                             device, alignment=alignment, copy=copy, stream=stream)
     return out, True
+
+
+def _advertised(x):
+    """The producer's ``__dlpack_device__()``; TypeError for an object that
+    is no DLPack producer."""
+    if getattr(x, "__dlpack_device__", None) is None or not hasattr(x, "__dlpack__"):
+        raise TypeError(
+            f"{type(x).__module__}.{type(x).__qualname__} has no __dlpack__ "
+            "and __dlpack_device__; pass an array of a DLPack producer or a "
+            "DLPack capsule")
+    return device_of(x)
+
+
+def _capsule_of(x, advertised, copy, resolve):
+    """(capsule, the ready stream it is ordered on or None, resolved): the
+    producer's capsule, asked for as the protocol says, with stock's checks
+    first (the device type, then the device lookup)."""
+    _check_type(advertised[0])
+    # Stock looks the device up before it asks the producer: its error for
+    # a device this process lacks comes first, not the producer's.
+    stock_device(*advertised)
+    resolved = False
+    # A lazy view (PyTorch exports a negative view's memory unnegated):
+    # resolved first, and the capsule then holds the resolved copy.
+    if resolve is not None:
+        x, resolved = resolve(x, copy)
+    stream = _producer_stream(*advertised)
+    if stream is None or not _gpu_target(advertised[1])[1]:
+        return _request(x, stream, copy), stream, resolved
+    # The producer's device is made current for the call: PyTorch's and
+    # CuPy's __dlpack__ order the consumer stream after the *current
+    # device's* current stream, so a caller with another device current
+    # would get an order after the wrong device's work.
+    return ext.call_on_device(advertised[1], _request, x, stream, copy), stream, resolved
 
 
 def _empty(shape, dtype, dl_type, dl_id, host_device):
