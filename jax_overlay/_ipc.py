@@ -444,7 +444,48 @@ def share(tree: Any, *, copy: bool = False) -> Share:
 
 def _share(tree, *, copy, once):
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    ordinal = None
+    leaves = [x for _, x in leaves_with_path]
+    ptrs, ordinal = _checked_leaves(leaves_with_path)
+    _EXPORTER.start()
+    stream = _EXPORTER.stream(ordinal)
+    # The share's stream waits on the GPU for every leaf's definition; each
+    # capsule is a PJRT external reference that keeps the buffer alive and
+    # refuses its donation until the share's entry is freed.
+    keep = [rt.order_stream_after(x, stream) for x, p in zip(leaves, ptrs) if p]
+    dedicated = None
+    if copy:
+        mine, spots = _copied(ordinal, leaves, ptrs, stream)
+        dedicated = (mine.base, mine.size)
+        allocs, bases = [(mine.block_id, mine.size)], [mine.base]
+    else:
+        allocs, bases, spots = _allocations(ordinal, leaves_with_path, ptrs)
+    fds: list[int] = []
+    try:
+        for b in bases:
+            fds.append(ext.export_fd(ordinal, b))
+        recorded = ext.record_ipc_event(ordinal, stream)
+        event, event_handle = recorded.event, recorded.handle
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        if dedicated is not None:
+            ext.unmap(ordinal, dedicated[0], dedicated[1], True)
+        raise
+    # What receivers are told over the socket, never read from the Share.
+    layout = pickle.dumps((ext.device_uuid(ordinal), event_handle, treedef,
+                           [(i, off, tuple(x.shape), x.dtype.name)
+                            for (i, off), x in zip(spots, leaves)], allocs))
+    return _publish(_Entry(tree, keep, ordinal, fds, event, dedicated, 1,
+                           secrets.token_bytes(_TOKEN_BYTES), layout), once,
+                    arrays=len(leaves), nbytes=sum(x.nbytes for x in leaves),
+                    allocations=len(allocs), exposed_bytes=sum(size for _, size in allocs),
+                    copied=bool(copy))
+
+
+def _checked_leaves(leaves_with_path):
+    """(each leaf's pointer, 0 for an empty one; the GPU they are all on):
+    every refusal first, wrong types before anything else, each naming the
+    leaf."""
     for path, x in leaves_with_path:  # wrong types first, wherever they are
         if not isinstance(x, jax.Array):
             raise TypeError(str(_leaf_error(path, x)))
@@ -452,9 +493,8 @@ def _share(tree, *, copy, once):
         err = _leaf_error(path, x)
         if err is not None:
             raise err
-    leaves = [x for _, x in leaves_with_path]
-    ptrs = []
-    for (path, x) in leaves_with_path:
+    ordinal, ptrs = None, []
+    for path, x in leaves_with_path:
         ptr = x.unsafe_buffer_pointer() if x.size else 0
         if ptr:
             info = ext.pointer_info(ptr)
@@ -474,76 +514,58 @@ def _share(tree, *, copy, once):
                 f"{jax.tree_util.keystr(path)} has a non-row-major layout: share row-major "
                 "arrays (jnp.copy it with the default layout first)")
         ptrs.append(ptr)
-    if ordinal is None:  # nothing with memory: any visible GPU names the share
-        ordinal = 0
-    _EXPORTER.start()
-    stream = _EXPORTER.stream(ordinal)
-    # The share's stream waits on the GPU for every leaf's definition; each
-    # capsule is a PJRT external reference that keeps the buffer alive and
-    # refuses its donation until the share's entry is freed.
-    keep = [rt.order_stream_after(x, stream) for x, p in zip(leaves, ptrs) if p]
-    nbytes = sum(x.nbytes for x in leaves)
-    dedicated = None
-    if copy:
-        offsets, total = [], 0
-        for x, p in zip(leaves, ptrs):
-            offsets.append(total if p else -1)
-            total += -(-x.nbytes // _ALIGN) * _ALIGN if p else 0
-        mine = ext.alloc_exportable(ordinal, max(total, 1))
-        dedicated = (mine.base, mine.size)
-        for x, p, off in zip(leaves, ptrs, offsets):
-            if p:
-                ext.copy_async(ordinal, mine.base + off, p, x.nbytes, stream)
-        allocs = [(mine.block_id, mine.size)]
-        bases = [mine.base]
-        spots = [(0, off) if off >= 0 else (-1, 0) for off in offsets]
-    else:
-        by_block: dict[Any, int] = {}
-        allocs, bases, spots = [], [], []
-        for (path, x), p in zip(leaves_with_path, ptrs):
-            if not p:
-                spots.append((-1, 0))
-                continue
-            a = ext.allocation_of(ordinal, p)
-            base, size, block = a.base, a.size, a.block_id
-            if not a.handle_types & ext.HANDLE_POSIX_FD:
-                raise BufferError(
-                    f"{jax.tree_util.keystr(path)}: XLA's allocator gave this buffer memory "
-                    "that cannot be exported as a file descriptor (XLA's cuda_async "
-                    "allocator's pool cannot be); share(tree, copy=True) copies the tree "
-                    "into one exportable allocation, or run with another "
-                    "XLA_PYTHON_CLIENT_ALLOCATOR")
-            if p + x.nbytes > base + size:
-                raise BufferError(
-                    f"{jax.tree_util.keystr(path)} spans two of XLA's allocations; "
-                    "share(tree, copy=True) copies it into one")
-            key = block or base
-            i = by_block.get(key)
-            if i is None:
-                i = by_block[key] = len(allocs)
-                allocs.append((block, size))
-                bases.append(base)
-            spots.append((i, p - bases[i]))
-    fds: list[int] = []
-    try:
-        for b in bases:
-            fds.append(ext.export_fd(ordinal, b))
-        recorded = ext.record_ipc_event(ordinal, stream)
-        event, event_handle = recorded.event, recorded.handle
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        if dedicated is not None:
-            ext.unmap(ordinal, dedicated[0], dedicated[1], True)
-        raise
-    # What receivers are told over the socket, never read from the Share.
-    layout = pickle.dumps((ext.device_uuid(ordinal), event_handle, treedef,
-                           [(i, off, tuple(x.shape), x.dtype.name)
-                            for (i, off), x in zip(spots, leaves)], allocs))
-    return _publish(_Entry(tree, keep, ordinal, fds, event, dedicated, 1,
-                           secrets.token_bytes(_TOKEN_BYTES), layout), once,
-                    arrays=len(leaves), nbytes=nbytes, allocations=len(allocs),
-                    exposed_bytes=sum(size for _, size in allocs), copied=bool(copy))
+    # Nothing with memory: any visible GPU names the share.
+    return ptrs, 0 if ordinal is None else ordinal
+
+
+def _copied(ordinal, leaves, ptrs, stream):
+    """(the dedicated allocation, each leaf's (0, offset) in it or (-1, 0)):
+    share(copy=True)'s one exportable allocation, the leaves copied into it
+    on the share's stream (after their definitions)."""
+    offsets, total = [], 0
+    for x, p in zip(leaves, ptrs):
+        offsets.append(total if p else -1)
+        total += -(-x.nbytes // _ALIGN) * _ALIGN if p else 0
+    mine = ext.alloc_exportable(ordinal, max(total, 1))
+    for x, p, off in zip(leaves, ptrs, offsets):
+        if p:
+            ext.copy_async(ordinal, mine.base + off, p, x.nbytes, stream)
+    return mine, [(0, off) if off >= 0 else (-1, 0) for off in offsets]
+
+
+def _allocations(ordinal, leaves_with_path, ptrs):
+    """(allocations as (block id, bytes), their bases, each leaf's
+    (allocation index, offset) or (-1, 0)): XLA's allocations holding the
+    leaves, each named once."""
+    by_block: dict[Any, int] = {}
+    allocs: list = []
+    bases: list = []
+    spots: list = []
+    for (path, x), p in zip(leaves_with_path, ptrs):
+        if not p:
+            spots.append((-1, 0))
+            continue
+        a = ext.allocation_of(ordinal, p)
+        base, size, block = a.base, a.size, a.block_id
+        if not a.handle_types & ext.HANDLE_POSIX_FD:
+            raise BufferError(
+                f"{jax.tree_util.keystr(path)}: XLA's allocator gave this buffer memory "
+                "that cannot be exported as a file descriptor (XLA's cuda_async "
+                "allocator's pool cannot be); share(tree, copy=True) copies the tree "
+                "into one exportable allocation, or run with another "
+                "XLA_PYTHON_CLIENT_ALLOCATOR")
+        if p + x.nbytes > base + size:
+            raise BufferError(
+                f"{jax.tree_util.keystr(path)} spans two of XLA's allocations; "
+                "share(tree, copy=True) copies it into one")
+        key = block or base
+        i = by_block.get(key)
+        if i is None:
+            i = by_block[key] = len(allocs)
+            allocs.append((block, size))
+            bases.append(base)
+        spots.append((i, p - bases[i]))
+    return allocs, bases, spots
 
 
 def _publish(entry, once, **what) -> Share:
