@@ -341,6 +341,24 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
     * Views live for the call only: anything ``fn`` keeps must be a copy.
     """
     peer = peers.foreign_peer(framework)  # ValueError naming the frameworks
+    _check_arguments(peer, fn, vjp, vmap_method, out, recompute, replay)
+    call = _caller(fn, framework, result_shape_dtypes, vmap_method, out, input_output_aliases,
+                   replay)
+    if vjp is None:
+        return functools.wraps(fn)(call)
+    if vjp == "autograd":
+        # A replayed trace runs no Python, and a kept graph is found by
+        # reading its ticket on the host: replay recomputes.
+        saved = (not recompute and not replay
+                 and vmap_method in (None, "sequential", "sequential_unrolled"))
+        return functools.wraps(fn)(_with_autograd(
+            call, peer.autograd(fn), framework, result_shape_dtypes, vmap_method, saved,
+            replay))
+    return functools.wraps(fn)(_with_vjp(call, vjp, framework, vmap_method, replay))
+
+
+def _check_arguments(peer, fn, vjp, vmap_method, out, recompute, replay):
+    """foreign()'s refusals of what it is given, each naming the fix."""
     if vmap_method is not None and vmap_method not in VMAP_METHODS:
         raise ValueError(
             f"vmap_method={vmap_method!r}: pass one of {', '.join(map(repr, VMAP_METHODS))} "
@@ -366,6 +384,12 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         raise ValueError(
             f"recompute=True chooses how vjp='autograd' finds the forward's graph (it runs fn "
             f"again in the backward call); with vjp={vjp!r} there is no graph: drop recompute")
+
+
+def _caller(fn, framework, result_shape_dtypes, vmap_method, out, input_output_aliases,
+            replay):
+    """The foreign call of `fn`: its arguments checked and flattened, one
+    buffer_callback per input structure and result spec, compiled once."""
 
     @functools.lru_cache(maxsize=64)
     def _compiled(in_tree, out_spec_key, aliases):
@@ -395,19 +419,13 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         except Exception as e:
             raise _explained(e, fn) from e
         return jax.tree_util.tree_unflatten(out_tree, flat)
+    return call
 
-    if vjp is None:
-        return functools.wraps(fn)(call)
 
-    if vjp == "autograd":
-        # A replayed trace runs no Python, and a kept graph is found by
-        # reading its ticket on the host: replay recomputes.
-        saved = (not recompute and not replay
-                 and vmap_method in (None, "sequential", "sequential_unrolled"))
-        return functools.wraps(fn)(_with_autograd(
-            call, peer.autograd(fn), framework, result_shape_dtypes, vmap_method, saved,
-            replay))
-
+def _with_vjp(call, vjp, framework, vmap_method, replay):
+    """`call` differentiable through jax.custom_vjp, its backward `vjp` run
+    as a second foreign call of the same framework, the inputs kept as the
+    residuals."""
     backward_fn = _one_per_input(vjp)
 
     def vjp_spec(*args):
@@ -426,7 +444,7 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
         return _cotangents(residuals, backward(*residuals, cotangent))
 
     differentiable.defvjp(fwd, bwd)
-    return functools.wraps(fn)(differentiable)
+    return differentiable
 
 
 # The forward's ticket, as an output XLA keeps for the backward: 64 bits
