@@ -154,22 +154,19 @@ std::string DtypeToTypestr(const dl::DataType& dt) {
   return TypestrToDtype(ts, &check, &itemsize, &ignored) ? ts : "";
 }
 
-bool ParseCai(PyObject* cai, ArrayView* out, Error* err) {
-  if (!PyDict_Check(cai)) {
-    return Fail(err, ErrorKind::kType,
-                "__cuda_array_interface__ must be a dict, got " +
-                    TypeName(cai));
-  }
-  auto get = [&](const char* key) { return PyDict_GetItemString(cai, key); };
-  auto missing = [&](const char* key, const char* want) {
-    return Fail(err, ErrorKind::kType,
-                std::string("__cuda_array_interface__ has no '") + key +
-                    "' key; the protocol requires " + want);
-  };
+namespace {
 
-  // version
-  PyObject* v = get("version");
-  if (!v) return missing("version", "an int (3 is current)");
+// One function per field of the dict, in the protocol's order; each names
+// the field, the value and what would be accepted.
+
+bool Missing(Error* err, const char* key, const char* want) {
+  return Fail(err, ErrorKind::kType,
+              std::string("__cuda_array_interface__ has no '") + key +
+                  "' key; the protocol requires " + want);
+}
+
+bool ParseVersion(PyObject* v, ArrayView* out, Error* err) {
+  if (!v) return Missing(err, "version", "an int (3 is current)");
   int64_t version;
   if (!IsInt(v)) {
     return Fail(err, ErrorKind::kType,
@@ -184,10 +181,11 @@ bool ParseCai(PyObject* cai, ArrayView* out, Error* err) {
                     "; jax_overlay reads versions 0 to 3");
   }
   out->version = static_cast<int>(version);
+  return true;
+}
 
-  // shape
-  PyObject* shape = get("shape");
-  if (!shape) return missing("shape", "a tuple of ints");
+bool ParseShape(PyObject* shape, ArrayView* out, Error* err) {
+  if (!shape) return Missing(err, "shape", "a tuple of ints");
   if (!IsSequence2(shape)) {
     return Fail(err, ErrorKind::kType,
                 "__cuda_array_interface__['shape'] must be a tuple of ints, "
@@ -209,10 +207,11 @@ bool ParseCai(PyObject* cai, ArrayView* out, Error* err) {
                       " has a negative dimension; sizes must be >= 0");
     }
   }
+  return true;
+}
 
-  // typestr
-  PyObject* ts = get("typestr");
-  if (!ts) return missing("typestr", "a NumPy type string such as '<f4'");
+bool ParseTypestr(PyObject* ts, ArrayView* out, Error* err) {
+  if (!ts) return Missing(err, "typestr", "a NumPy type string such as '<f4'");
   if (!PyUnicode_Check(ts)) {
     return Fail(err, ErrorKind::kType,
                 "__cuda_array_interface__['typestr'] must be a str, got " +
@@ -232,13 +231,11 @@ bool ParseCai(PyObject* cai, ArrayView* out, Error* err) {
                 "__cuda_array_interface__['typestr'] " + Repr(ts) +
                     " has a NUL character; JAX holds " + kAcceptedTypes);
   }
-  if (!TypestrToDtype(out->typestr, &out->dtype, &out->itemsize, err)) {
-    return false;
-  }
+  return TypestrToDtype(out->typestr, &out->dtype, &out->itemsize, err);
+}
 
-  // data
-  PyObject* data = get("data");
-  if (!data) return missing("data", "a tuple (pointer: int, read_only: bool)");
+bool ParseData(PyObject* data, ArrayView* out, Error* err) {
+  if (!data) return Missing(err, "data", "a tuple (pointer: int, read_only: bool)");
   if (!IsSequence2(data) || PySequence_Fast_GET_SIZE(data) != 2) {
     return Fail(err, ErrorKind::kType,
                 "__cuda_array_interface__['data'] must be a tuple (pointer: "
@@ -256,73 +253,82 @@ bool ParseCai(PyObject* cai, ArrayView* out, Error* err) {
                 "bool, got " + TypeName(ro) + " " + Repr(ro));
   }
   out->read_only = ro == Py_True;
+  return true;
+}
 
-  // strides (bytes in the protocol, elements from here on)
+// Bytes in the protocol, elements from here on.  `st`: None or absent for
+// C order.
+bool ParseStrides(PyObject* st, PyObject* shape, ArrayView* out, Error* err) {
   out->strides.clear();
-  PyObject* st = get("strides");
-  if (st && st != Py_None) {
-    if (!IsSequence2(st)) {
-      return Fail(err, ErrorKind::kType,
-                  "__cuda_array_interface__['strides'] must be None or a "
-                  "tuple of ints (bytes), got " + TypeName(st) + " " +
-                      Repr(st));
-    }
-    if (PySequence_Fast_GET_SIZE(st) != nd) {
+  if (!st || st == Py_None) return true;
+  Py_ssize_t nd = static_cast<Py_ssize_t>(out->shape.size());
+  if (!IsSequence2(st)) {
+    return Fail(err, ErrorKind::kType,
+                "__cuda_array_interface__['strides'] must be None or a "
+                "tuple of ints (bytes), got " + TypeName(st) + " " +
+                    Repr(st));
+  }
+  if (PySequence_Fast_GET_SIZE(st) != nd) {
+    return Fail(err, ErrorKind::kValue,
+                "__cuda_array_interface__['strides'] " + Repr(st) + " has " +
+                    std::to_string(PySequence_Fast_GET_SIZE(st)) +
+                    " entries but shape " + Repr(shape) + " has " +
+                    std::to_string(nd));
+  }
+  out->strides.resize(nd);
+  for (Py_ssize_t i = 0; i < nd; ++i) {
+    int64_t b;
+    if (!GetInt64(Item(st, i), "strides", &b, err)) return false;
+    if (b % out->itemsize != 0) {
       return Fail(err, ErrorKind::kValue,
-                  "__cuda_array_interface__['strides'] " + Repr(st) + " has " +
-                      std::to_string(PySequence_Fast_GET_SIZE(st)) +
-                      " entries but shape " + Repr(shape) + " has " +
-                      std::to_string(nd));
+                  "__cuda_array_interface__['strides'] " + Repr(st) +
+                      " are not multiples of the item size " +
+                      std::to_string(out->itemsize) + " of '" +
+                      out->typestr + "'; JAX needs element-aligned strides");
     }
-    out->strides.resize(nd);
-    for (Py_ssize_t i = 0; i < nd; ++i) {
-      int64_t b;
-      if (!GetInt64(Item(st, i), "strides", &b, err)) return false;
-      if (b % out->itemsize != 0) {
-        return Fail(err, ErrorKind::kValue,
-                    "__cuda_array_interface__['strides'] " + Repr(st) +
-                        " are not multiples of the item size " +
-                        std::to_string(out->itemsize) + " of '" +
-                        out->typestr + "'; JAX needs element-aligned strides");
-      }
-      out->strides[i] = b / out->itemsize;
-    }
+    out->strides[i] = b / out->itemsize;
   }
+  return true;
+}
 
-  // mask: JAX arrays have no masked form, and ignoring it would hand back
-  // data the producer marked invalid.
-  PyObject* mask = get("mask");
-  if (mask && mask != Py_None) {
-    return Fail(err, ErrorKind::kBuffer,
-                "__cuda_array_interface__['mask'] is set (" + Repr(mask) +
-                    "); JAX has no masked arrays: fill or compress the "
-                    "masked elements first and pass mask=None");
-  }
+// JAX arrays have no masked form, and ignoring a mask would hand back data
+// the producer marked invalid.
+bool RefuseMask(PyObject* mask, Error* err) {
+  if (!mask || mask == Py_None) return true;
+  return Fail(err, ErrorKind::kBuffer,
+              "__cuda_array_interface__['mask'] is set (" + Repr(mask) +
+                  "); JAX has no masked arrays: fill or compress the "
+                  "masked elements first and pass mask=None");
+}
 
-  // stream: defined from version 3 on; absent or None means no ordering.
+// Defined from version 3 on; absent or None means no ordering.
+bool ParseStream(PyObject* stream, ArrayView* out, Error* err) {
   out->has_stream = false;
-  PyObject* stream = out->version >= 3 ? get("stream") : nullptr;
-  if (stream && stream != Py_None) {
-    if (!GetHandle(stream, "__cuda_array_interface__['stream']", &out->stream,
-                   err)) {
-      return false;
-    }
-    if (out->stream == 0) {
-      return Fail(err, ErrorKind::kValue,
-                  "__cuda_array_interface__['stream'] is 0, which the "
-                  "protocol forbids as ambiguous; use 1 (legacy default "
-                  "stream), 2 (per-thread default stream), a stream handle, "
-                  "or None (no ordering needed)");
-    }
-    out->has_stream = true;
+  if (!stream || stream == Py_None) return true;
+  if (!GetHandle(stream, "__cuda_array_interface__['stream']", &out->stream,
+                 err)) {
+    return false;
   }
+  if (out->stream == 0) {
+    return Fail(err, ErrorKind::kValue,
+                "__cuda_array_interface__['stream'] is 0, which the "
+                "protocol forbids as ambiguous; use 1 (legacy default "
+                "stream), 2 (per-thread default stream), a stream handle, "
+                "or None (no ordering needed)");
+  }
+  out->has_stream = true;
+  return true;
+}
 
+// The layout the shape and strides make, and the memory it spans from the
+// pointer: what the fields say together.
+bool CheckGeometry(PyObject* shape, PyObject* st, ArrayView* out, Error* err) {
   const char* why = nullptr;
+  bool strided = st && st != Py_None;
   if (!AnalyzeLayout(out->shape, out->strides, &out->layout, &why)) {
     return Fail(err, ErrorKind::kValue,
                 "__cuda_array_interface__ shape " + Repr(shape) +
-                    (st && st != Py_None ? " with strides " + Repr(st) : "") +
-                    ": " + why);
+                    (strided ? " with strides " + Repr(st) : "") + ": " + why);
   }
   if (out->data == 0 && out->layout.numel != 0) {
     return Fail(err, ErrorKind::kValue,
@@ -334,11 +340,31 @@ bool ParseCai(PyObject* cai, ArrayView* out, Error* err) {
     return Fail(err, ErrorKind::kValue,
                 "__cuda_array_interface__['data'][0] = " +
                     std::to_string(out->data) + " with shape " + Repr(shape) +
-                    (st && st != Py_None ? " and strides " + Repr(st) : "") +
+                    (strided ? " and strides " + Repr(st) : "") +
                     " of '" + out->typestr + "': " + why +
                     "; the producer's pointer or strides are wrong");
   }
   return true;
+}
+
+}  // namespace
+
+bool ParseCai(PyObject* cai, ArrayView* out, Error* err) {
+  if (!PyDict_Check(cai)) {
+    return Fail(err, ErrorKind::kType,
+                "__cuda_array_interface__ must be a dict, got " +
+                    TypeName(cai));
+  }
+  auto get = [&](const char* key) { return PyDict_GetItemString(cai, key); };
+  PyObject* shape = get("shape");
+  PyObject* st = get("strides");
+  return ParseVersion(get("version"), out, err) &&
+         ParseShape(shape, out, err) &&
+         ParseTypestr(get("typestr"), out, err) &&
+         ParseData(get("data"), out, err) &&
+         ParseStrides(st, shape, out, err) && RefuseMask(get("mask"), err) &&
+         ParseStream(out->version >= 3 ? get("stream") : nullptr, out, err) &&
+         CheckGeometry(shape, st, out, err);
 }
 
 }  // namespace jxo
