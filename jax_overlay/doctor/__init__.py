@@ -69,9 +69,11 @@ import sys
 from ._model import (CAI_ON_HOST, FAILING, HOST_NO_STREAM, PROTOCOLS, ROW_KEYS, SCHEMA, SIDE_KEYS,
                      STATUSES, Case, Expect, NotApplicable, Row, Skip, describe, evaluate,
                      latency_us, not_applicable, timed_calls)
-from ._probes import (ENV_KEYS, _gpu_peers, environment, gpu_skip_reason, host_rows, need,
+from ._probes import (ENV_KEYS, environment, gpu_skip_reason, host_rows, need,
                       need_gpu, nvidia_driver)
 from .producers import CAIView, DLPackView
+from ._render import (HEADER, footnotes, render_plain, render_rich, summary, table_rows,
+                      terminal_width)
 
 __all__ = ["CAIView", "CAI_ON_HOST", "Case", "DLPackView", "ENV_KEYS", "Expect", "FAILING",
            "HEADER", "HOST_NO_STREAM", "NotApplicable", "PROTOCOLS", "ROW_KEYS", "Row", "SCHEMA",
@@ -87,140 +89,6 @@ def all_rows():
 
 
 # --- output -------------------------------------------------------------------------
-
-def _yes(v):
-    return "" if v is None else "yes" if v else "no"
-
-
-def _stream_cell(side):
-    if side is None or not side["works"]:
-        return ""
-    t = side["trials"]
-    if t is None:
-        return "n/a"
-    if side["error"] and side["error"].startswith(("in flight", "waiting")):
-        return "fails"
-    if t["stale"]:
-        return f"stale {t['stale']}/{t['n']}"
-    return "waits" if side["host_waits"] else "yes"
-
-
-def _cells(side):
-    if side is None:
-        return ["", "", "", ""]
-    us = "" if side["latency_us"] is None else f"{side['latency_us']:.1f}"
-    return [_yes(side["works"]), _yes(side["zero_copy"]), _stream_cell(side), us]
-
-
-HEADER = ["#", "path", "protocol", "memory", "works", "0-copy", "stream", "us",
-          "works", "0-copy", "stream", "us", "status"]
-
-
-def table_rows(report):
-    """The table's cells; skip reasons inline, other reasons in the notes."""
-    out = []
-    for r in report["rows"]:
-        status = f"skipped: {r['reason']}" if r["status"] == "skipped" else r["status"]
-        path = f"{r['peer']} -> JAX" if r["direction"] == "import" else f"JAX -> {r['peer']}"
-        sides = (None, None) if r["status"] == "n/a" else (r["stock"], r["overlay"])
-        out.append([str(r["n"]), path, r["protocol"], r["memory"], *_cells(sides[0]),
-                    *_cells(sides[1]), status])
-    return out
-
-
-def footnotes(report):
-    """Why rows are n/a, failed or unsupported, and each side's errors and
-    notes (once when both sides say the same; host memory having no stream
-    goes without saying)."""
-    lines = []
-    for r in report["rows"]:
-        if r["status"] in ("n/a", "FAILED", "ERROR", "unsupported") and r["reason"]:
-            lines.append(f"{r['n']:>3} {r['status']}: {r['reason']}")
-        if r["status"] == "n/a" or r["stock"] is None:
-            continue
-        for key in ("error", "note"):
-            said = {name: r[name][key] for name in ("stock", "overlay")}
-            said = {k: v for k, v in said.items() if v and v != HOST_NO_STREAM
-                    and not (r["reason"] and v in r["reason"])}
-            if len(said) == 2 and said["stock"] == said["overlay"]:
-                lines.append(f"{r['n']:>3} both: {said['stock']}")
-                continue
-            lines += [f"{r['n']:>3} {'stock' if k == 'stock' else 'jax_overlay'}: {v}"
-                      for k, v in said.items()]
-    return lines
-
-
-def summary(report):
-    counts: dict[str, int] = {}
-    for r in report["rows"]:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    parts = [f"{counts[s]} {s}" for s in STATUSES if counts.get(s)]
-    return f"{len(report['rows'])} rows: {', '.join(parts)}; exit status {report['exit_code']}"
-
-
-def _env_lines(env):
-    def v(x):
-        return "not installed" if x is None else str(x)
-    devices = ", ".join(f"{d['platform']}:{d['id']} ({d['kind']})" for d in env["devices"]) or "none"
-    return [
-        ("jax_overlay", f"{env['jax_overlay']} (installed before this run: {env['jax_overlay_installed']})"),
-        ("python", f"{env['python']} on {env['platform']}"),
-        ("numpy", env["numpy"]),
-        ("jax / jaxlib", f"{env['jax']} / {env['jaxlib']}"),
-        ("jax CUDA plugin", v(env["jax_cuda_plugin"])),
-        *((p.name, v(env[p.name])) for p in _gpu_peers()),
-        ("libcuda", env["libcuda"]),
-        ("CUDA driver API", v(env["cuda_driver_api"]) if env["cuda_driver_api"] else "-"),
-        ("NVIDIA driver", env["nvidia_driver"] or "-"),
-        ("devices", devices),
-        ("GPU rows", env["gpu"] or "run"),
-    ]
-
-
-def render_plain(report, out):
-    out.write("jax_overlay doctor\n")
-    for k, v in _env_lines(report["environment"]):
-        out.write(f"  {k:<16} {v}\n")
-    rows = [HEADER] + table_rows(report)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
-    stock_at = sum(w + 2 for w in widths[:4])
-    overlay_at = stock_at + sum(w + 2 for w in widths[4:8])
-    out.write("\n" + " " * (2 + stock_at) + "stock JAX".ljust(overlay_at - stock_at)
-              + "jax_overlay installed\n")
-    right = {0, 7, 11}
-    for r in rows:
-        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i])
-                 for i, c in enumerate(r[:-1])]
-        out.write("  " + "  ".join(cells) + "  " + r[-1] + "\n")
-    notes = footnotes(report)
-    if notes:
-        out.write("\nnotes (by row):\n" + "".join(f"  {n}\n" for n in notes))
-    out.write("\n" + summary(report) + "\n")
-
-
-def render_rich(report, out):
-    from rich.console import Console
-    from rich.table import Table
-    console = Console(file=out, width=max(170, Console(file=out).width))
-    env = Table.grid(padding=(0, 2))
-    for k, v in _env_lines(report["environment"]):
-        env.add_row(k, str(v))
-    console.print("[bold]jax_overlay doctor[/bold]")
-    console.print(env)
-    t = Table(show_lines=False, header_style="bold")
-    for i, h in enumerate(HEADER):
-        side = "stock\n" if 4 <= i < 8 else "overlay\n" if 8 <= i < 12 else "\n"
-        t.add_column(side + (h if h != "us" else "µs"), justify="right" if i in (0, 7, 11) else "left",
-                     no_wrap=i != 12, min_width=16 if i == 12 else None)
-    colour = {"ok": "green", "FAILED": "bold red", "ERROR": "bold red", "unsupported": "yellow"}
-    for r, rec in zip(table_rows(report), report["rows"]):
-        c = colour.get(rec["status"])
-        t.add_row(*r[:-1], f"[{c}]{r[-1]}[/{c}]" if c else r[-1])
-    console.print(t)
-    for n in footnotes(report):
-        console.print(n, markup=False, highlight=False)
-    console.print(summary(report), markup=False, highlight=False)
-
 
 def run(*, as_json=False, plain=False, trials=20, calls=200, out=None, rows=None, json_file=None):
     """Measures every row; writes the report (and the JSON report to
@@ -249,7 +117,7 @@ def run(*, as_json=False, plain=False, trials=20, calls=200, out=None, rows=None
     elif not plain and _has_rich():
         render_rich(report, out)
     else:
-        render_plain(report, out)
+        render_plain(report, out, terminal_width(out))
     return code
 
 

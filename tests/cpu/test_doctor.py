@@ -248,3 +248,19 @@ def test_help_speaks_to_the_user():
     text = out.stdout
     assert "Room:" not in text and "doctor.py" not in text, text
     assert "`python -m jax_overlay doctor`: what this machine has" in text, text
+
+
+def test_a_narrow_terminal_gets_lines_that_fit(monkeypatch):
+    """At 80 columns every line fits (the wide table needs about 190): each
+    row is its names and status, then a line per side."""
+    _, report = _run(doctor.host_rows())
+    for width in (80, 100):
+        buf = io.StringIO()
+        doctor.render_plain(report, buf, width)
+        lines = buf.getvalue().splitlines()
+        assert max(map(len, lines)) <= width, max(lines, key=len)
+        assert any(line.strip().startswith("jax_overlay ") for line in lines)
+    monkeypatch.setenv("COLUMNS", "80")
+    buf = io.StringIO()
+    assert doctor.main(["--calls", "10"], out=buf) == 0
+    assert max(map(len, buf.getvalue().splitlines())) <= 80
