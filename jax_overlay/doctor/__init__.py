@@ -65,7 +65,7 @@ import sys
 
 # The rooms: _model (rows, cases, measuring a side, the verdict), _probes (the
 # environment, what a row needs, the host rows), _gpu (the GPU rows), producers
-# (busy producers, protocol views); the table and the command line are here.
+# (busy producers, protocol views), _render (the table); the command line is here.
 from ._model import (CAI_ON_HOST, FAILING, HOST_NO_STREAM, PROTOCOLS, ROW_KEYS, SCHEMA, SIDE_KEYS,
                      STATUSES, Case, Expect, NotApplicable, Row, Skip, describe, evaluate,
                      latency_us, not_applicable, timed_calls)
