@@ -10,6 +10,7 @@ Issue 39: jax_overlay's imports were read stale by the host on an idle GPU
 jax.dlpack.from_dlpack was right.  Its control below shows the detector
 sees stale reads when ordering is missing."""
 
+import contextlib
 import pickle
 
 import numpy as np
@@ -62,14 +63,23 @@ def _route(name):
     }[name]
 
 
-def _stale(imp, producer, trials, read):
+def _stale(imp, producer, trials, read, *, installed=False, within=None):
     """Stale reads of `trials` imports of `producer` (a callable that
-    enqueues "wait, then write k" and returns the object to import)."""
+    enqueues "wait, then write k" and returns the object to import), with
+    install() active if `installed`, inside the context `within` (the
+    producer library's current stream) if given."""
+    if installed:
+        jax_overlay.install()
     stale = 0
-    for k in range(1, trials + 1):
-        obj = producer(float(k))
-        h = np.asarray(read(imp(obj)))
-        stale += not (h.min() == h.max() == k)
+    try:
+        with within if within is not None else contextlib.nullcontext():
+            for k in range(1, trials + 1):
+                obj = producer(float(k))
+                h = np.asarray(read(imp(obj)))
+                stale += not (h.min() == h.max() == k)
+    finally:
+        if installed:
+            jax_overlay.uninstall()
     return stale
 
 
@@ -89,15 +99,9 @@ def test_cupy_producer_in_flight(route, kind, read):
         spin_fill(a, k, ms=MS, stream=stream)
         return a
 
-    if installed:
-        jax_overlay.install()
-    try:
-        with stream:  # CuPy's CAI and __dlpack__ name the current stream
-            stale = _stale(imp, producer, TRIALS, READS[read])
-    finally:
-        if installed:
-            jax_overlay.uninstall()
-        stream.synchronize()
+    # Within the stream: CuPy's CAI and __dlpack__ name the current stream.
+    stale = _stale(imp, producer, TRIALS, READS[read], installed=installed, within=stream)
+    stream.synchronize()
     assert stale == 0, f"{stale} of {TRIALS} reads stale ({route}, {kind} stream, {read})"
 
 
@@ -119,15 +123,10 @@ def test_torch_producer_in_flight(route, read):
             t.fill_(k)
         return t
 
-    if installed:
-        jax_overlay.install()
-    try:
-        with torch.cuda.stream(s):  # PyTorch's __dlpack__ orders after its current stream
-            stale = _stale(imp, producer, TRIALS, READS[read])
-    finally:
-        if installed:
-            jax_overlay.uninstall()
-        s.synchronize()
+    # Within the stream: PyTorch's __dlpack__ orders after its current stream.
+    stale = _stale(imp, producer, TRIALS, READS[read], installed=installed,
+                   within=torch.cuda.stream(s))
+    s.synchronize()
     assert stale == 0, f"{stale} of {TRIALS} reads stale ({route}, {read})"
 
 
