@@ -4,7 +4,6 @@ table where rich is installed and the terminal is wide enough."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import textwrap
 
@@ -101,10 +100,8 @@ def _env_lines(env):
 
 
 def terminal_width(out):
-    """The width to fit: the terminal's where `out` is one, or $COLUMNS;
-    None (the wide table) for a pipe or a file."""
-    if os.environ.get("COLUMNS", "").isdigit():
-        return int(os.environ["COLUMNS"])
+    """The width to fit where `out` is a terminal (its width, or $COLUMNS);
+    None, the wide table, for a pipe or a file."""
     isatty = getattr(out, "isatty", None)
     if isatty is not None and isatty():
         return shutil.get_terminal_size().columns

@@ -260,7 +260,13 @@ def test_a_narrow_terminal_gets_lines_that_fit(monkeypatch):
         lines = buf.getvalue().splitlines()
         assert max(map(len, lines)) <= width, max(lines, key=len)
         assert any(line.strip().startswith("jax_overlay ") for line in lines)
+    assert doctor.terminal_width(io.StringIO()) is None  # a pipe or a file: the wide table
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
     monkeypatch.setenv("COLUMNS", "80")
-    buf = io.StringIO()
-    assert doctor.main(["--calls", "10"], out=buf) == 0
-    assert max(map(len, buf.getvalue().splitlines())) <= 80
+    out = Terminal()
+    assert doctor.terminal_width(out) == 80
+    assert doctor.main(["--calls", "10"], out=out) == 0
+    assert max(map(len, out.getvalue().splitlines())) <= 80
