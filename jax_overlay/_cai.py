@@ -189,8 +189,8 @@ def cai_dict(obj):
     try:
         return obj.__cuda_array_interface__
     except AttributeError:
-        host = "" if not hasattr(obj, "__array_interface__") and not hasattr(obj, "__dlpack__") else (
-            " (host arrays: jax_overlay.from_dlpack or jnp.asarray import them)")
+        host = (" (host arrays: jax_overlay.from_dlpack or jnp.asarray import them)"
+                if hasattr(obj, "__array_interface__") or hasattr(obj, "__dlpack__") else "")
         raise TypeError(
             f"{type(obj).__module__}.{type(obj).__qualname__} has no "
             "__cuda_array_interface__; pass a GPU array from CuPy, Numba, "
