@@ -192,11 +192,12 @@ def ready_stream(device) -> int:
     device-to-host streams), copies to other memories, exports.
 
     Making XLA's compute stream wait and importing with no stream, as
-    jax_overlay did before, orders computations only: the jaxlib of jax
-    0.11.2 gives a stream-less view no definition event, so a host read ran
-    on a device-to-host stream at once and read the producer's memory
-    before its kernel wrote it (issue 39; benchmarks/probe_hostread.py
-    measures both orderings)."""
+    jax_overlay did before, orders computations only: XLA gives a
+    stream-less view no definition event (its CreateViewOfDeviceBuffer
+    since mid-2026, as read from its source), so a host read ran on a
+    device-to-host stream at once, before the producer's kernel wrote
+    (issue 39's stale host reads; benchmarks/probe_hostread.py measures
+    both orderings)."""
     return int(device.get_stream_for_external_ready_events())
 
 
