@@ -727,9 +727,9 @@ def open_shared(share: Share | bytes, *, framework: str = "jax") -> Any:
     if share.pid == os.getpid() and share.address == _EXPORTER.address:
         return _same_process(share, framework)
     conn, layout, fds = _request(share)
-    uuid, event, treedef, leaves, allocations = layout
     mappings: list[Any] = []
     try:
+        uuid, event, treedef, leaves, allocations = layout
         ordinal = _ordinal_of(uuid)
         with _mappings_lock:
             for (block, size), fd in zip(allocations, fds):
