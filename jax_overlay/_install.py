@@ -410,7 +410,7 @@ def _from_dlpack(orig):
         if not ours:
             return orig(external_array, device, copy)
         device = _stock_device(external_array, device, copy)
-        return _route.import_dlpack(external_array, device, copy, host_view=False)
+        return _route.placed_from_dlpack(external_array, device, copy, host_view=False)
     return from_dlpack
 
 
@@ -421,7 +421,7 @@ def _jnp_from_dlpack(orig):
         if not ours:
             return orig(x, device=device, copy=copy)
         device = _stock_device(x, device, copy)
-        return _route.import_dlpack(x, device, copy, host_view=False)
+        return _route.placed_from_dlpack(x, device, copy, host_view=False)
     return from_dlpack
 
 

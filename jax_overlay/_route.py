@@ -155,10 +155,10 @@ def from_dlpack(x: Any, /, *, device: jax.Device | jax.sharding.Sharding | None 
       (BufferError with ``copy=False``); ``device=`` and ``copy=True`` as in
       :func:`from_cuda_array_interface`.
     """
-    return import_dlpack(x, device, copy, host_view=True)
+    return placed_from_dlpack(x, device, copy, host_view=True)
 
 
-def import_dlpack(x, device, copy, *, host_view):
+def placed_from_dlpack(x, device, copy, *, host_view):
     """from_dlpack, for the explicit function (`host_view`: host memory is
     viewed on the CPU device `device` names) and for the installed
     jax.dlpack.from_dlpack and jnp.from_dlpack, which place host memory as

@@ -140,7 +140,7 @@ def _run(rows, **kw):
 def test_exit_status_one_when_an_overlay_path_fails(monkeypatch):
     def broken(*a, **k):
         raise BufferError("injected")
-    monkeypatch.setattr(_route, "import_dlpack", broken)  # every from_dlpack path
+    monkeypatch.setattr(_route, "placed_from_dlpack", broken)  # every from_dlpack path
     monkeypatch.setattr(doctor, "all_rows", doctor.host_rows)
     buf = io.StringIO()
     assert doctor.main(["--json", "--calls", "10"], out=buf) == 1
@@ -155,7 +155,7 @@ def test_exit_status_one_when_an_overlay_path_fails(monkeypatch):
 
 
 def test_plain_output_explains_a_failure(monkeypatch):
-    monkeypatch.setattr(_route, "import_dlpack", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(_route, "placed_from_dlpack", lambda *a, **k: 1 / 0)
     monkeypatch.setattr(doctor, "all_rows", doctor.host_rows)
     buf = io.StringIO()
     assert doctor.main(["--plain", "--calls", "10"], out=buf) == 1
