@@ -46,6 +46,9 @@
 #                                 in-place build (jax_overlay/_xla_ext*.so,
 #                                 JAX_OVERLAY_TESTING=1): it is rebuilt there
 #                                 only if it does not import
+#   bash tools/gpu_session.sh 9   issue 39's long loaded runs (10^4 host-read
+#                                 trials per overlay route, 1,200 in-flight
+#                                 tree shares) and issue 40's re-sync probe
 #   bash tools/gpu_session.sh 4 K the long run only, from case 10^6 K, for
 #                                 about 8 minutes (K = 1, 2, ... until the
 #                                 JSONs add up to 10^5 cases or more)
@@ -104,6 +107,26 @@ case "${1:-}" in
   echo "suite exit status $?" >>"$O/suite-n4-loaded.txt"
   kill $LOAD; wait $LOAD; cat "$O/load.txt" >>"$O/suite-n4-loaded.txt"
   grep -E "^(FAILED|ERROR)|passed|failed" "$O/suite-n4-loaded.txt" | cut -c1-300 | tail -40
+  ;;
+9)
+  # Issue 39's long runs, with another process loading the GPU: >= 10^4
+  # host-read trials per overlay route, >= 1,000 in-flight tree shares read
+  # to the host in another process; then issue 40's re-sync probe.
+  export PYTHONPATH=$PWD
+  "$PY" -c "import jax_overlay._xla_ext" 2>"$O/build.log" || JAX_OVERLAY_TESTING=1 \
+    "$PY" setup.py -q build_ext --inplace >>"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
+  timeout -s INT "${PROBE_TIMEOUT:-280}" "$PY" benchmarks/probe_hostread.py --load loaded \
+    --routes "overlay from_dlpack,overlay from_cai,installed from_dlpack" \
+    --trials "${TRIALS:-1112}" --queue 0 --json "$O/hostread-long.json" >"$O/hostread-long.txt" 2>&1
+  echo "probe exit status $?" | tee -a "$O/hostread-long.txt"; tail -6 "$O/hostread-long.txt"; tarball
+  JAX_OVERLAY_IPC_TREE_ROUNDS=${TREE_ROUNDS:-400} timeout -s INT -k 15 "${IPC_TIMEOUT:-200}" \
+    "$PY" -m pytest -v -rs -p no:cacheprovider --durations=5 \
+    "tests/gpu/test_ipc_gpu.py::test_inflight_tree_of_long_work_read_to_the_host" \
+    >"$O/ipc-tree-long.txt" 2>&1
+  echo "ipc exit status $?" | tee -a "$O/ipc-tree-long.txt"; grep -E "passed|failed|PASS|FAIL" "$O/ipc-tree-long.txt" | tail -6; tarball
+  timeout -s INT "${RESYNC_TIMEOUT:-90}" "$PY" benchmarks/probe_resync.py --json "$O/resync.json" \
+    >"$O/resync.txt" 2>&1
+  echo "resync exit status $?" >>"$O/resync.txt"; cat "$O/resync.txt"
   ;;
 2|3|4|5|6|7)
   JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
