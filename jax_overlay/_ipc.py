@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from . import _runtime as rt
-from . import _view
+from . import _pack, _view
 from . import _xla_ext as ext
 from . import peers
 from ._config import config
@@ -423,7 +423,7 @@ def _leaf_error(path, x):
     return None
 
 
-def share(tree: Any, *, copy: bool = False) -> Share:
+def share(tree: Any, *, copy: bool = False, pack: bool = False) -> Share:
     """A :class:`Share` of a pytree of single-device GPU ``jax.Array``s, for
     :func:`open_shared` in another process on the same machine and GPU.
 
@@ -435,17 +435,30 @@ def share(tree: Any, *, copy: bool = False) -> Share:
     receiver sees (also the way to share from XLA's ``cuda_async``
     allocator, whose pool cannot be exported).
 
+    ``pack=True``, for a tree shared again every step (a weight re-sync):
+    one jitted call writes every leaf into one new buffer on the GPU, and
+    that buffer is shared; a JAX receiver unpacks it with one jitted call
+    into arrays of its own, another framework's receiver views the leaves
+    in it.  Two device copies of the tree replace a host-side step per
+    array on each side, and the share holds the packed buffer, not the
+    leaves (which may then be donated).
+
     Never waits on the host: receivers are ordered after the leaves'
     pending computations on the GPU.  The exporter holds the leaves (they
     cannot be donated) until the share is released and every receiver has
     let go."""
-    return _share(tree, copy=copy, once=False)
+    return _share(tree, copy=copy, once=False, pack=pack)
 
 
-def _share(tree, *, copy, once):
+def _share(tree, *, copy, once, pack=False):
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [x for _, x in leaves_with_path]
-    ptrs, ordinal = _checked_leaves(leaves_with_path)
+    packed = None
+    if pack:
+        packed, buf, ptrs, ordinal = _packed(leaves_with_path)
+        leaves, tree = [buf], _Packed(buf, packed, treedef)
+    else:
+        ptrs, ordinal = _checked_leaves(leaves_with_path)
     _EXPORTER.start()
     stream = _EXPORTER.stream(ordinal)
     # The share's stream waits on the GPU for every leaf's definition; each
@@ -471,15 +484,54 @@ def _share(tree, *, copy, once):
         if dedicated is not None:
             ext.unmap(ordinal, dedicated[0], dedicated[1], True)
         raise
+    described = [(i, off, tuple(x.shape), x.dtype.name) for (i, off), x in zip(spots, leaves)]
+    whole = None
+    if packed is not None:
+        # Each leaf where the packed buffer holds it, and the buffer itself
+        # (for a JAX receiver's one unpacking call).
+        (i, off), = spots
+        whole = (i, off, leaves[0].nbytes)
+        described = [(i, off + o, shape, name) if i >= 0 else (-1, 0, shape, name)
+                     for o, shape, name in packed]
     # What receivers are told over the socket, never read from the Share.
-    layout = pickle.dumps((ext.device_uuid(ordinal), event_handle, treedef,
-                           [(i, off, tuple(x.shape), x.dtype.name)
-                            for (i, off), x in zip(spots, leaves)], allocs))
+    layout = pickle.dumps((ext.device_uuid(ordinal), event_handle, treedef, described, allocs,
+                           whole))
     return _publish(_Entry(tree, keep, ordinal, fds, event, dedicated, 1,
                            secrets.token_bytes(_TOKEN_BYTES), layout), once,
-                    arrays=len(leaves), nbytes=sum(x.nbytes for x in leaves),
+                    arrays=len(described), nbytes=sum(x.nbytes for x in leaves),
                     allocations=len(allocs), exposed_bytes=sum(size for _, size in allocs),
                     copied=bool(copy))
+
+
+class _Packed:
+    """A packed share's tree, for an open in the exporting process: the
+    buffer unpacked (the leaves themselves may be donated by then)."""
+
+    def __init__(self, buf, spec, treedef):
+        self.buf, self.spec, self.treedef = buf, spec, treedef
+
+    def unpacked(self):
+        return jax.tree_util.tree_unflatten(self.treedef, _pack.unpacker(self.spec)(self.buf))
+
+
+def _packed(leaves_with_path):
+    """(spec, the packed buffer, its pointer as a list, its GPU): the leaves
+    written into one buffer by one jitted call, checked as one array.  Only
+    where that fails is every leaf checked, for the error that names one:
+    the check costs a host-side step per leaf, which pack=True exists to
+    avoid."""
+    for path, x in leaves_with_path:  # wrong types first
+        if not isinstance(x, jax.Array):
+            raise TypeError(str(_leaf_error(path, x)))
+    leaves = [x for _, x in leaves_with_path]
+    spec, total = _pack.layout(leaves)
+    try:
+        buf = _pack.packer(spec, total)(leaves)
+        ptrs, ordinal = _checked_leaves([((), buf)])
+    except Exception:
+        _checked_leaves(leaves_with_path)  # raises the error naming a leaf
+        raise
+    return spec, buf, ptrs, ordinal
 
 
 def _checked_leaves(leaves_with_path):
@@ -729,7 +781,7 @@ def open_shared(share: Share | bytes, *, framework: str = "jax") -> Any:
     conn, layout, fds = _request(share)
     mappings: list[Any] = []
     try:
-        uuid, event, treedef, leaves, allocations = layout
+        uuid, event, treedef, leaves, allocations, whole = layout
         ordinal = _ordinal_of(uuid)
         with _mappings_lock:
             for (block, size), fd in zip(allocations, fds):
@@ -747,7 +799,7 @@ def open_shared(share: Share | bytes, *, framework: str = "jax") -> Any:
             os.close(fd)
     opened = _Opened(conn, mappings)
     if framework == "jax":
-        return _open_jax(event, treedef, leaves, opened, ordinal)
+        return _open_jax(event, treedef, leaves, opened, ordinal, whole)
     return _open_peer(share, event, treedef, leaves, opened, ordinal, framework)
 
 
@@ -755,7 +807,7 @@ def _dtype(name):
     return np.dtype(jax.numpy.dtype(name))
 
 
-def _open_jax(event, treedef, leaves, opened, ordinal):
+def _open_jax(event, treedef, leaves, opened, ordinal, whole=None):
     device = rt.gpu_device(ordinal)
     # A ready stream waits on the GPU for the exporter's event, and each
     # import's definition event is recorded on it behind that wait: every
@@ -763,6 +815,17 @@ def _open_jax(event, treedef, leaves, opened, ordinal):
     # exporter's writes (_runtime.ready_stream).
     stream = rt.ready_stream(device)
     ext.wait_ipc_event(ordinal, event, stream)
+    if whole is not None and whole[0] >= 0:
+        # A packed share: one view of the buffer, unpacked by one call into
+        # arrays of this process.  The view (and through it `opened`) lives
+        # until that call's reads of it are done (PJRT frees a view after
+        # its last use on the GPU).
+        i, off, nbytes = whole
+        cap = ext.raw_capsule(opened, opened.mappings[i].va + off, (nbytes,), None,
+                              dtype_code(np.dtype(np.uint8)), KDLCUDA, ordinal)
+        buf = _view.import_view(cap, device, False, KDLCUDA, stream)
+        spec = tuple((o - off, shape, name) for _, o, shape, name in leaves)
+        return jax.tree_util.tree_unflatten(treedef, _pack.unpacker(spec)(buf))
     out = []
     for i, off, shape, name in leaves:
         dtype = _dtype(name)
@@ -809,6 +872,8 @@ def _same_process(share, framework):
         e.once = False
     if once:  # a one-shot share opened here: its hold ends now
         _EXPORTER._drop(share.share_id)
+    if isinstance(tree, _Packed):
+        tree = tree.unpacked()
     if framework == "jax":
         return tree
     peer = peers.share_peer(framework)

@@ -86,7 +86,7 @@ def fake_share():
     _ipc._EXPORTER.start()
     fd = os.memfd_create("jax_overlay-fuzz")
     os.write(fd, b"\0" * 4096)
-    layout = pickle.dumps((b"\1" * 16, b"\0" * 64, None, [(0, 0, (4,), "float32")], [(0, 4096)]))
+    layout = pickle.dumps((b"\1" * 16, b"\0" * 64, None, [(0, 0, (4,), "float32")], [(0, 4096)], None))
     entry = _ipc._Entry(None, [], 0, [fd], 0, None, 1, os.urandom(16), layout)
     return _ipc._publish(entry, False, arrays=1, nbytes=16, allocations=1,
                          exposed_bytes=4096, copied=False), None

@@ -279,7 +279,7 @@ def test_a_share_is_a_name_the_exporter_checks():
 def test_a_large_layout_travels_in_chunks():
     h, ref = export([b"x"])
     entry = _ipc._EXPORTER.entries[h.share_id]
-    entry.layout = pickle.dumps(LAYOUT[:3] + (list(range(100_000)), [(0, 1)]))
+    entry.layout = pickle.dumps(LAYOUT[:3] + (list(range(100_000)), [(0, 1)], None))
     assert len(entry.layout) > 4 * _ipc._CHUNK
     r = Receiver(h)
     kind, _, count, layout = r.first()

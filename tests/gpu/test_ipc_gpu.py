@@ -183,8 +183,9 @@ TREE_MS = 55
 TREE_ROUNDS = int(os.environ.get("JAX_OVERLAY_IPC_TREE_ROUNDS", "10"))
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch", "cupy"])
-def test_inflight_tree_of_long_work_read_to_the_host(framework):
+@pytest.mark.parametrize("framework,pack", [("jax", False), ("torch", False), ("cupy", False),
+                                            ("jax", True), ("torch", True)])
+def test_inflight_tree_of_long_work_read_to_the_host(framework, pack):
     """A trainer-style tree of 200 arrays, all written at the end of about
     TREE_MS of matmuls, shared while that chain runs; the receiver opens it
     and reads every array straight to the host.  0 stale, TREE_ROUNDS rounds
@@ -216,7 +217,7 @@ def test_inflight_tree_of_long_work_read_to_the_host(framework):
         for k in range(1, TREE_ROUNDS + 1):
             tree = chain(float(k), steps)
             in_flight += not tree[-1].is_ready()
-            with _ipc.share(tree) as h:
+            with _ipc.share(tree, pack=pack) as h:
                 stale += p.ok("stale_leaves", h, k)
         assert stale == 0, f"{stale} of {200 * TREE_ROUNDS} arrays were stale"
         assert in_flight == TREE_ROUNDS, f"only {in_flight} of {TREE_ROUNDS} trees shared in flight"
@@ -460,3 +461,66 @@ def test_torch_passes_an_opened_tensor_on():
     finally:
         middle.close()
         last.close()
+
+
+def packed_tree():
+    t = tree_of_everything()
+    t["z"] = (jnp.arange(6, dtype=jnp.float32) + 1j).astype(jnp.complex64)
+    t["i8"] = jnp.arange(-3, 3, dtype=jnp.int8)
+    t["h"] = jnp.arange(9, dtype=jnp.float16).reshape(3, 3)[:, ::-1]  # a computed leaf
+    t["s"] = jnp.float32(2.5)
+    return t
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch", "cupy"])
+def test_packed_round_trip(framework):
+    """share(tree, pack=True): every dtype, shape and value comes back, as
+    the receiver's framework's arrays (JAX: unpacked into its own arrays;
+    others: views of the packed buffer)."""
+    if framework != "jax":
+        pytest.importorskip(framework)
+    tree = packed_tree()
+    if framework == "cupy":  # CuPy has no bfloat16
+        tree["b"] = (jnp.arange(7, dtype=jnp.float32), tree["b"][1])
+    p = Peer(framework=framework)
+    try:
+        h = _ipc.share(tree, pack=True)
+        assert h.arrays == len(jax.tree_util.tree_leaves(tree)) and h.allocations == 1
+        values, kinds = p.ok("open", pickle.loads(pickle.dumps(h)))
+        for got, want, kind in zip(values, jax.tree_util.tree_leaves(tree), kinds):
+            w = np.asarray(want)
+            np.testing.assert_array_equal(got, w.astype(np.float32) if w.dtype.name == "bfloat16" else w)
+            assert kind[0] == framework and kind[2] == want.shape, (kind, want.shape)
+            if framework == "jax":
+                assert kind[1] == str(want.dtype)
+        h.release()
+    finally:
+        p.close()
+
+
+def test_packed_share_leaves_may_be_donated(peer):
+    """A packed share holds its buffer, not the leaves: they can be donated
+    at once, and the receiver reads the values they had."""
+    x = jnp.full((1 << 20,), 1.0, jnp.float32)
+    h = _ipc.share({"x": x}, pack=True)
+    y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+    assert x.is_deleted() and float(y[0]) == 2.0
+    values, _ = peer.ok("open", h)
+    assert (values[0] == 1.0).all()
+    got = _ipc.open_shared(h)  # in this process too: unpacked, not the donated leaf
+    assert float(got["x"][0]) == 1.0 and got["x"] is not x
+    h.release()
+
+
+def test_packed_errors():
+    with pytest.raises(TypeError, match=r"\['b'\]"):
+        _ipc.share({"a": jnp.ones(3), "b": np.ones(3)}, pack=True)
+    cpu = jax.device_put(jnp.ones(3), jax.devices("cpu")[0])
+    with pytest.raises(BufferError, match=r"\['c'\].*host memory"):
+        _ipc.share({"a": jnp.ones(3), "c": cpu}, pack=True)
+    with pytest.raises(BufferError, match="int4"):
+        _ipc.share([jnp.zeros(4, jnp.int4)], pack=True)
+    y = jnp.ones(16)
+    y.delete()
+    with pytest.raises(BufferError, match="deleted"):
+        _ipc.share([jnp.ones(2), y], pack=True)
