@@ -1,5 +1,5 @@
 """Room: the peers.  One module per array library (``numpy``, ``torch``,
-``cupy``, ``numba``), each registered once, in :data:`REGISTRY`.
+``cupy``, ``numba``, ``cuda_core``), each registered once, in :data:`REGISTRY`.
 
 A peer module holds everything that is true of one library and of no
 other: the one rule that recognises its arrays (by type, without importing
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from .. import _xla_ext as ext
+from .._vocab import KDLCUDA, KDLCUDAMANAGED
 from ._base import GENERIC, Adapter, ForeignEndpoint, Peer, ShareEndpoint
 
 REGISTRY: dict[str, Peer] = {}
@@ -57,9 +59,22 @@ def peer_of(t: type) -> Peer | None:
 
 def resolve(obj: Any, copy: bool | None) -> tuple[Any, bool]:
     """(obj, copied): `obj` with what its library leaves lazy resolved (a
-    copy), where neither protocol would carry it; else `obj` itself."""
+    copy), where neither protocol would carry it; else `obj` itself.  Of a
+    peer that does not order the consumer's stream, after a fence: the
+    device's work done (the DLPack import calls this before it takes the
+    capsule, so the fence covers every write enqueued before the import)."""
     peer = peer_of(type(obj))
-    return (obj, False) if peer is None else peer.resolve(obj, copy)
+    if peer is None:
+        return obj, False
+    if not peer.orders_consumer_stream:
+        _fence(obj)
+    return peer.resolve(obj, copy)
+
+
+def _fence(obj: Any) -> None:
+    kind, ordinal = obj.__dlpack_device__()
+    if kind in (KDLCUDA, KDLCUDAMANAGED):
+        ext.synchronize(int(ordinal))
 
 
 def having(capability: type) -> dict[str, Any]:
@@ -104,8 +119,8 @@ def foreign_peer(framework: str) -> Any:
     return peer
 
 
-from . import numpy, torch, cupy, numba  # noqa: E402  (each registers itself)
+from . import numpy, torch, cupy, numba, cuda_core  # noqa: E402  (each registers itself)
 
-__all__ = ["GENERIC", "Adapter", "ForeignEndpoint", "Peer", "REGISTRY", "ShareEndpoint", "cupy",
+__all__ = ["GENERIC", "Adapter", "ForeignEndpoint", "Peer", "REGISTRY", "ShareEndpoint", "cuda_core", "cupy",
            "foreign_peer", "frameworks", "having", "numba", "numpy", "peer_of", "register",
            "resolve", "share_frameworks", "share_peer", "torch", "where", "with_autograd"]

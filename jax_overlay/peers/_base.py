@@ -43,6 +43,12 @@ class Peer:
         """(obj, copied): a lazy view neither protocol carries, resolved."""
         return obj, False
 
+    # Whether the library's __dlpack__(stream=) orders the consumer's
+    # stream after its pending writes, as the protocol asks.  False: the
+    # import fences instead (peers.resolve waits for the device's work on
+    # the host before the capsule is taken).
+    orders_consumer_stream = True
+
     def cai_reader(self, t: type) -> Any:
         """The import's route for type `t`: a function (obj, copy) -> (owner,
         CAI dict, copied) or None, that reads its CAI where it gives the
