@@ -11,6 +11,9 @@ which allow command buffers for programs of any size
     foreign replay     the same with replay=True
     pure_callback      jit(jax.pure_callback(fn on host copies, as CPU tensors))
     torch2jax          wrap_torch2jax.torch2jax(fn), where it installs
+  kept results: foreign and foreign replay with each call's result kept
+    (200 at a time), so every call writes a new output buffer; how many
+    times fn's Python ran in all (rounds x calls, and the warm-up)
   five inputs: the same fn summed over five 1K inputs, foreign and replayed
     (against one input: a call's cost per leaf)
   CuPy, 1K float32: tanh(x).sum(): cupy eager (control), jax, foreign,
@@ -49,6 +52,34 @@ def _waited(f, *args):
     return run
 
 
+def _kept(f, *args):
+    """Each call's result kept (results.append(f(x))), 200 at a time, as a
+    user collecting outputs does: every call writes a new output buffer, so
+    replay sees new addresses (issue 40's churn row)."""
+    kept = []
+
+    def run():
+        kept.append(f(*args))
+        jax.block_until_ready(kept[-1])
+        if len(kept) >= 200:
+            kept.clear()
+    return run
+
+
+# How many times the counted fn's Python ran, per arm: a replayed call runs
+# none, a trace one.
+RUNS: dict = {}
+
+
+def _counted(fn, name):
+    RUNS[name] = 0
+
+    def counted(*a):
+        RUNS[name] += 1
+        return fn(*a)
+    return counted
+
+
 def torch_group():
     import torch
     x = jnp.linspace(-1, 1, N, dtype=jnp.float32)
@@ -76,8 +107,15 @@ def torch_group():
                                        replay=True))
     native = jax.jit(lambda x: jax.nn.gelu(x, approximate=False).sum())
     pure = jax.jit(lambda x: jax.pure_callback(on_host, SCALAR, x))
+    plain_k = jax.jit(jax_overlay.foreign(_counted(fn, "foreign, kept results"),
+                                          framework="torch", result_shape_dtypes=SCALAR))
+    rep_k = jax.jit(jax_overlay.foreign(_counted(fn, "foreign replay, kept results"),
+                                        framework="torch", result_shape_dtypes=SCALAR,
+                                        replay=True))
     arms = {"torch eager": eager, "jax": _waited(native, x), "foreign": _waited(plain, x),
             "foreign replay": _waited(rep, x), "pure_callback": _waited(pure, x),
+            "foreign, kept results": _kept(plain_k, x),
+            "foreign replay, kept results": _kept(rep_k, x),
             "foreign, 5 inputs": _waited(plain5, *xs),
             "foreign replay, 5 inputs": _waited(rep5, *xs)}
     want = float(native(x))
@@ -175,10 +213,13 @@ def main():
             res["x_jax"][k] = harness.med(harness.ratios(samples, k, native))
     for a, b in (("foreign, 5 inputs", "foreign"), ("foreign replay, 5 inputs", "foreign replay"),
                  ("foreign replay", "foreign"), ("foreign", "torch2jax"),
-                 ("foreign replay", "torch2jax")):
+                 ("foreign replay", "torch2jax"),
+                 ("foreign replay, kept results", "foreign, kept results")):
         if a in samples and b in samples:
             res[f"{a} / {b}"] = harness.med(harness.ratios(samples, a, b))
     res["samples"] = samples
+    # fn's Python runs per call of the counted arms (warm-ups included).
+    res["fn runs"] = dict(RUNS)
     meta = harness.meta(imports=("cupy", "numba", "torch"))
     lines = [f"# small foreign calls, µs per call (dispatch to ready), {args.rounds} alternating "
              f"rounds of {args.calls} calls; {meta.get('device')}, jax {jax.__version__}, "
@@ -188,6 +229,7 @@ def main():
                  for k in res["us"]]),
              *[f"{k}: {v:.3f} (median of per-round ratios)" for k, v in res.items()
                if " / " in k],
+             *[f"{k}: fn ran {n} times" for k, n in RUNS.items()],
              *[f"{k}: unavailable: {why}" for k, why in unavailable.items()]]
     text = "\n".join(lines)
     print(text)
