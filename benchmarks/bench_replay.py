@@ -112,14 +112,23 @@ def torch_group():
     rep_k = jax.jit(jax_overlay.foreign(_counted(fn, "foreign replay, kept results"),
                                         framework="torch", result_shape_dtypes=SCALAR,
                                         replay=True))
+    # The experiment for a fix: fn's output an XLA temporary (a pair, of
+    # which the jit returns one element, copied by XLA into the result), so
+    # its address may stay put while the kept results' do not.
+    pair = jax.ShapeDtypeStruct((2,), np.float32)
+    rep_sliced = jax.jit(lambda v: jax_overlay.foreign(
+        _counted(lambda t: fn(t).reshape(1).expand(2).contiguous(),
+                 "foreign replay, kept results, sliced"),
+        framework="torch", result_shape_dtypes=pair, replay=True)(v)[0])
     arms = {"torch eager": eager, "jax": _waited(native, x), "foreign": _waited(plain, x),
             "foreign replay": _waited(rep, x), "pure_callback": _waited(pure, x),
             "foreign, kept results": _kept(plain_k, x),
             "foreign replay, kept results": _kept(rep_k, x),
+            "foreign replay, kept results, sliced": _kept(rep_sliced, x),
             "foreign, 5 inputs": _waited(plain5, *xs),
             "foreign replay, 5 inputs": _waited(rep5, *xs)}
     want = float(native(x))
-    for f in (plain, rep, pure):
+    for f in (plain, rep, pure, plain_k, rep_k, rep_sliced):
         np.testing.assert_allclose(float(f(x)), want, rtol=1e-4, atol=1e-4)
     want5 = sum(float(native(a)) for a in xs)
     for f in (plain5, rep5):
