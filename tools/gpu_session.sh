@@ -48,7 +48,8 @@
 #                                 only if it does not import
 #   bash tools/gpu_session.sh 9   issue 39's long loaded runs (10^4 host-read
 #                                 trials per overlay route, 1,200 in-flight
-#                                 tree shares) and issue 40's re-sync probe
+#                                 tree shares), issue 40's re-sync probe
+#                                 and bench_replay (its kept-results rows)
 #   bash tools/gpu_session.sh 4 K the long run only, from case 10^6 K, for
 #                                 about 8 minutes (K = 1, 2, ... until the
 #                                 JSONs add up to 10^5 cases or more)
@@ -126,7 +127,13 @@ case "${1:-}" in
   echo "ipc exit status $?" | tee -a "$O/ipc-tree-long.txt"; grep -E "passed|failed|PASS|FAIL" "$O/ipc-tree-long.txt" | tail -6; tarball
   timeout -s INT "${RESYNC_TIMEOUT:-90}" "$PY" benchmarks/probe_resync.py --json "$O/resync.json" \
     >"$O/resync.txt" 2>&1
-  echo "resync exit status $?" >>"$O/resync.txt"; cat "$O/resync.txt"
+  echo "resync exit status $?" >>"$O/resync.txt"; cat "$O/resync.txt"; tarball
+  # Issue 40's churn row: replay with kept results (torch2jax from build/wheels).
+  T2J=$(mktemp -d)
+  "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
+  PYTHONPATH=$PWD:$T2J timeout 150 "$PY" benchmarks/bench_replay.py --rounds 7 --out "$O" \
+    >"$O/replay-bench.log" 2>&1
+  echo "replay bench exit status $?"; cat "$O/replay-bench.txt" 2>/dev/null || tail -20 "$O/replay-bench.log"
   ;;
 2|3|4|5|6|7)
   JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
