@@ -208,5 +208,11 @@ def from_cuda_array_interface(obj: Any, *,
       protocols' ``BufferError`` and stock JAX's ``ValueError``.
     """
     obj, resolved = peers.resolve(obj, copy)
-    arr, copied = _cai.import_cai(obj, copy=copy)
+    if resolved:
+        # The resolved copy is this call's, enqueued on the library's current
+        # stream, which the library's CAI may not name (PyTorch's is version
+        # 2): imported by the route that orders after it.
+        arr, copied = _import(obj, copy)
+    else:
+        arr, copied = _cai.import_cai(obj, copy=copy)
     return _view.finish(arr, copied or resolved, device=device, copy=copy)
