@@ -43,11 +43,19 @@ def cycles(ms):
 
 
 def spin_fill(arr, value, *, ms=1.0, stream=None):
-    """Enqueues on `stream` (a CuPy stream; default the current one): wait
-    about `ms` on the GPU, then arr[:] = value.  `arr`: contiguous float32."""
+    """Enqueues on `stream` (a CuPy stream; default the current one), after
+    the legacy stream's work: wait about `ms` on the GPU, then
+    arr[:] = value.  `arr`: contiguous float32."""
     import cupy as cp
     n = arr.size
     stream = stream or cp.cuda.get_current_stream()
+    if stream.ptr not in (0, 1):
+        # After what the legacy stream still has to do to `arr` (CuPy
+        # allocates and zeroes on it): a non-blocking stream does not wait
+        # for it, and under load the zeroing landed after the write.
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(cp.cuda.Stream.null)
+        stream.wait_event(done)
     with stream:
         _spin()((min(1024, (n + 255) // 256),), (256,),
                 (arr, cp.int64(n), cp.int64(cycles(ms)), cp.float32(value)))
