@@ -42,8 +42,10 @@ def test_inflight_view_is_read_after_its_producer(route):
     a = cp.zeros(1 << 20, cp.float32)
     stale = 0
     installed = route.startswith("installed")
-    fn = {"from_dlpack": jax_overlay.from_dlpack, "installed jnp.asarray": jnp.asarray,
-          "installed from_dlpack": jax.dlpack.from_dlpack}[route]
+    # Looked up at each call: install() replaces these names.
+    fn = {"from_dlpack": jax_overlay.from_dlpack,
+          "installed jnp.asarray": lambda v: jnp.asarray(v),
+          "installed from_dlpack": lambda v: jax.dlpack.from_dlpack(v)}[route]
     if installed:
         jax_overlay.install()
     try:

@@ -57,9 +57,11 @@ def _route(name):
     return {
         "from_dlpack": (jax_overlay.from_dlpack, False),
         "from_cuda_array_interface": (jax_overlay.from_cuda_array_interface, False),
-        "installed jnp.asarray": (jnp.asarray, True),
-        "installed jax.dlpack.from_dlpack": (jax.dlpack.from_dlpack, True),
-        "installed jax.device_put": (jax.device_put, True),
+        # Looked up at each call: install() replaces these names, and a
+        # reference taken before it is stock's function.
+        "installed jnp.asarray": (lambda a: jnp.asarray(a), True),
+        "installed jax.dlpack.from_dlpack": (lambda a: jax.dlpack.from_dlpack(a), True),
+        "installed jax.device_put": (lambda a: jax.device_put(a), True),
     }[name]
 
 
