@@ -66,7 +66,7 @@ try:
     v = SMV(x, stream_ptr=-1); print("ctor", v)
 except Exception as e:
     print("ctor ERR", e)
-import jax, jax.numpy as jnp
+import jax
 try:
     v = SMV.from_dlpack(x, stream_ptr=-1) if hasattr(SMV, "from_dlpack") else SMV(x, stream_ptr=-1)
     print("jax from smv", jax.dlpack.from_dlpack(v))
