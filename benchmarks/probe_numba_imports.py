@@ -24,7 +24,7 @@ def go(tag):
             m = cuda.to_device(host + i)
             cai = m.__cuda_array_interface__
             if i == 0 and k == "ours cai": print(tag, "cai", {a: cai[a] for a in ("stream", "version", "data")})
-            busy += not ext.stream_idle(0, cai["stream"] or 1) if cai.get("stream") else 0
+            busy += not ext.stream_idle(0, cai.get("stream") or 1)  # None: the legacy stream
             if k == "ours cai":
                 x = jax_overlay.from_cuda_array_interface(m)
             elif k == "stock asarray":
@@ -36,7 +36,7 @@ def go(tag):
             h = np.asarray(x)
             bad[k] += not np.array_equal(h, host + i)
             del x, m
-    print(tag, "wrong of 60:", bad, "legacy busy at import:", busy, flush=True)
+    print(tag, "wrong of 60:", bad, "its stream (None: legacy) busy at import:", busy, flush=True)
 go("idle")
 load = subprocess.Popen([sys.executable, "tests/gpu/load.py"], stdout=subprocess.PIPE, text=True)
 load.stdout.readline()
