@@ -197,30 +197,17 @@ def cai_dict(obj):
             f"PyTorch or another producer of the CUDA Array Interface{host}") from None
 
 
-def _ordered_stream(plan, device, host=False):
+def _ordered_stream(plan, device):
     """The stream jaxlib's import is handed: None for a producer whose
     stream is idle (its data is written), else a ready stream made to wait,
     on the GPU, for the work already enqueued on the producer's stream
     (_runtime.ready_stream): the array is defined only once the producer is
-    done, for every reader, and no host thread waits for it.
-
-    A CAI with no stream (version 2, or None) promises written data, but
-    synchronous copies keep that promise only on the legacy default stream:
-    CUDA's cuMemcpyHtoD from pageable memory returns before its DMA lands,
-    and Numba's default-stream arrays (cuda.to_device) say stream None.  So
-    such an import is ordered after the legacy stream, which also follows
-    every blocking stream (a query when it is idle, nothing more)."""
-    stream = plan.view.stream
-    if stream is None and not host and not ext.stream_idle(plan.ordinal, _LEGACY):
-        stream = _LEGACY
-    elif not plan.busy:
+    done, for every reader, and no host thread waits for it."""
+    if not plan.busy:
         return None
-    ready = rt.ready_stream(device)
-    ext.order_after(plan.ordinal, stream, ready)
-    return ready
-
-
-_LEGACY = 1  # CUDA's legacy default stream, as the CAI names it
+    stream = rt.ready_stream(device)
+    ext.order_after(plan.ordinal, plan.view.stream, stream)
+    return stream
 
 
 def _empty(view, host):
@@ -253,7 +240,7 @@ def import_cai(obj, cai=None, *, copy=None, host=False):
     if plan.capsule is None and view.numel == 0:
         return _empty(view, host), False
     device = rt.host_device() if host else rt.gpu_device(plan.ordinal)
-    stream = _ordered_stream(plan, device, host)
+    stream = _ordered_stream(plan, device)
     if plan.capsule is not None:
         arr = _view.import_view(plan.capsule, device, False if copy is False else None, dl_type,
                                 stream)

@@ -189,8 +189,7 @@ def host_import(real):
 def cpus_as_gpus():
     """CUDA ordinal k is played by CPU device k: device lookups answer it,
     the ready stream on device k is the number 1000 + k, the native CAI
-    plan reads host memory and reports the ordinal its producer names, every
-    stream is idle, and
+    plan reads host memory and reports the ordinal its producer names, and
     the device switch around a producer's ``__dlpack__`` is recorded (no
     driver here to switch)."""
     cpus = jax.devices("cpu")
@@ -215,7 +214,6 @@ def cpus_as_gpus():
         mp.setattr(ext, "plan_cai_import", plan)
         mp.setattr(ext, "call_on_device", on_device)
         mp.setattr(ext, "device_count", lambda: len(cpus))
-        mp.setattr(ext, "stream_idle", lambda ordinal, stream: True)  # nothing queued
         mp.setattr(ext, "pointer_info", lambda ptr: types.SimpleNamespace(
             kind="device", ordinal=fake.owners[ptr], device_ptr=ptr, host_ptr=0,
             range_start=ptr, range_size=0))
