@@ -202,11 +202,12 @@ def _ordered_stream(plan, device):
     stream is idle (its data is written), else a ready stream made to wait,
     on the GPU, for the work already enqueued on the producer's stream
     (_runtime.ready_stream): the array is defined only once the producer is
-    done, for every reader, and no host thread waits for it."""
+    done, for every reader, and no host thread waits for it.  A CAI with no
+    stream follows the legacy default stream (plan_cai_import says why)."""
     if not plan.busy:
         return None
     stream = rt.ready_stream(device)
-    ext.order_after(plan.ordinal, plan.view.stream, stream)
+    ext.order_after(plan.ordinal, plan.order_after, stream)
     return stream
 
 

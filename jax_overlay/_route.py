@@ -196,7 +196,8 @@ def from_cuda_array_interface(obj: Any, *,
       ``pinned_host`` array, managed memory a device array.
     * A v3 ``stream`` (1 legacy, 2 per-thread, or a handle) is honoured on the
       GPU, without blocking the host: the array is ordered after the work
-      already enqueued there.  No stream (v2, or None) means no ordering.
+      already enqueued there.  No stream (v2, or None): after the legacy
+      default stream, where a synchronous copy's DMA may still be landing.
     * Non-compact strides (sliced, negative, broadcast) or a misaligned
       pointer: one GPU-side copy, or BufferError with ``copy=False``.
     * ``device=``: another device or memory kind copies there (BufferError

@@ -57,11 +57,18 @@ bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
     out->range_start = info.range_start;
     // Pinned host arrays are only moved by DMA, which has no alignment need.
     out->alignment = pinned ? 1 : kGpuAlignment;
-    if (v.has_stream) {
-      bool idle = true;
-      if (!cuda::StreamIdle(info.ordinal, v.stream, &idle, err)) return false;
-      out->producer_busy = !idle;
+    // A CAI with no stream (v2, or None) promises written data, but a
+    // synchronous copy keeps that promise only on the legacy default stream:
+    // cuMemcpyHtoD from pageable memory returns before its DMA lands, and
+    // Numba's cuda.to_device arrays say stream None.  So such an import
+    // follows the legacy stream (which also follows every blocking stream);
+    // when it is idle this costs one query and orders nothing.
+    out->order_after = v.has_stream ? v.stream : kLegacyStream;
+    bool idle = true;
+    if (!cuda::StreamIdle(info.ordinal, out->order_after, &idle, err)) {
+      return false;
     }
+    out->producer_busy = !idle;
   }
 
   if (v.layout.kind != LayoutKind::kStrided && v.data % out->alignment == 0) {

@@ -27,8 +27,12 @@ struct ImportPlan {
   uintptr_t range_start = 0;   // allocation start, when the driver knows it
   uintptr_t alignment = 1;     // what a zero-copy view needs of the pointer
   PyObject* capsule = nullptr;  // new reference, or nullptr: a copy is needed
-  bool producer_busy = false;  // the v3 stream still has work enqueued
+  bool producer_busy = false;  // `order_after` still has work enqueued
+  uintptr_t order_after = 0;   // the stream the import must follow when busy
 };
+
+// CUDA's legacy default stream, as the CAI and the driver name it.
+constexpr uintptr_t kLegacyStream = 1;
 
 // A capsule viewing the array `v` describes, holding `owner` alive: the one
 // place a CAI view becomes a DLPack tensor.  nullptr + Python error on failure.

@@ -129,6 +129,7 @@ struct CaiPlan {
   uintptr_t range_start = 0;
   uintptr_t alignment = 1;
   bool busy = false;
+  uintptr_t order_after = 0;
 };
 
 struct DlpackImport {
@@ -315,7 +316,10 @@ PYBIND11_MODULE(_xla_ext, m) {
       .def_readonly("alignment", &CaiPlan::alignment,
                     "What a zero-copy view needs of the pointer.")
       .def_readonly("busy", &CaiPlan::busy,
-                    "The v3 stream still has work enqueued.");
+                    "order_after still has work enqueued.")
+      .def_readonly("order_after", &CaiPlan::order_after,
+                    "The stream the import follows: the v3 stream, or the "
+                    "legacy default stream (1) for a CAI without one.");
 
   m.def(
       "plan_cai_import",
@@ -335,6 +339,7 @@ PYBIND11_MODULE(_xla_ext, m) {
         out.range_start = plan.range_start;
         out.alignment = plan.alignment;
         out.busy = plan.producer_busy;
+        out.order_after = plan.order_after;
         return out;
       },
       py::arg("cai"), py::arg("owner"), py::arg("host") = false,
