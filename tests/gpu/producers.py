@@ -25,6 +25,15 @@ INFLIGHT_MS = 2.0
 
 READS = ("host", "computation", "export")
 
+# How many imports of a busy producer may be pending with no host wait.
+# jaxlib's import with a stream records the array's definition event there
+# and queues one host callback behind it; past 56 pending ones the call
+# waits for the producer, stock jax.dlpack.from_dlpack's too, with 1, 2 or 4
+# ready streams alike (H200, jax 0.11.2:
+# benchmarks/results/h200-2026-12-06-import-bound.txt).  The suite asks for
+# no wait below that, with a margin, and for right values past it.
+PENDING_IMPORTS = 48
+
 
 def read(x, how):
     """(min, max) of JAX array `x` read `how`: straight to the host

@@ -17,7 +17,8 @@ import jax_overlay  # noqa: E402
 from jax_overlay import _xla_ext as ext  # noqa: E402
 from jax_overlay.peers.cupy import PEER as _CUPY_PEER  # noqa: E402
 
-from producers import INFLIGHT_MS, STREAMS, WithStream, cycles, is_stale, spin_fill  # noqa: E402
+from producers import (  # noqa: E402
+    INFLIGHT_MS, PENDING_IMPORTS, STREAMS, WithStream, cycles, is_stale, spin_fill)
 
 imp = jax_overlay.from_cuda_array_interface
 TRIALS = 200
@@ -159,20 +160,29 @@ def test_import_does_not_block_host(kind):
 
 @pytest.mark.parametrize("kind", list(STREAMS))
 def test_many_imports_while_producer_busy_never_block(kind):
+    """PENDING_IMPORTS imports behind a 1.5 s kernel, some dropped while in
+    flight: the kernel still runs when the last returns (none waited); then
+    as many again past jaxlib's bound, which may wait, and every import
+    reads the producer's values."""
     stream, handle = STREAMS[kind]()
     arrays = [cp.zeros(256, cp.float32) for _ in range(8)]
     cp.cuda.Device().synchronize()
-    spin_fill(cp.empty(1, cp.float32), 0.0, ms=1500.0, stream=stream)
+    for a in arrays:
+        spin_fill(a, 7.0, ms=1500.0 if a is arrays[0] else 0.0, stream=stream)
     kept = []
     t_all = time.perf_counter()
-    for i in range(2000):
+    for i in range(PENDING_IMPORTS):
         kept.append(imp(WithStream(arrays[i % 8], handle)))
-        if i % 100 == 99:
-            del kept[:50]  # drop some while still in flight
+        if i % 16 == 15:
+            del kept[:4]  # drop some while still in flight
     total = time.perf_counter() - t_all
     still_busy = not stream.done
-    stream.synchronize()
+    for i in range(PENDING_IMPORTS):
+        kept.append(imp(WithStream(arrays[i % 8], handle)))
     assert still_busy, f"the producer ended within {total * 1e3:.0f} ms: an import waited for it"
+    assert all(float(jnp.min(x)) == 7.0 for x in kept[-16:])
+    assert all(np.asarray(x).min() == 7.0 for x in kept[:16])
+    stream.synchronize()
 
 
 def test_cupy_exported_stream_is_honoured():
