@@ -120,15 +120,24 @@ def torch_group():
         _counted(lambda t: fn(t).reshape(1).expand(2).contiguous(),
                  "foreign replay, kept results, sliced"),
         framework="torch", result_shape_dtypes=pair, replay=True)(v)[0])
+    # The second experiment: fn's output consumed by a call XLA cannot put in
+    # a CUDA graph (a foreign call without replay), so the graph ends before
+    # the kept result's allocation; does its trace then stay valid?
+    clone = jax_overlay.foreign(lambda t: t.clone(), framework="torch",
+                                result_shape_dtypes=SCALAR)
+    rep_outside = jax.jit(lambda v: clone(jax_overlay.foreign(
+        _counted(fn, "foreign replay, kept results, copied outside the graph"),
+        framework="torch", result_shape_dtypes=SCALAR, replay=True)(v)))
     arms = {"torch eager": eager, "jax": _waited(native, x), "foreign": _waited(plain, x),
             "foreign replay": _waited(rep, x), "pure_callback": _waited(pure, x),
             "foreign, kept results": _kept(plain_k, x),
             "foreign replay, kept results": _kept(rep_k, x),
             "foreign replay, kept results, sliced": _kept(rep_sliced, x),
+            "foreign replay, kept results, copied outside the graph": _kept(rep_outside, x),
             "foreign, 5 inputs": _waited(plain5, *xs),
             "foreign replay, 5 inputs": _waited(rep5, *xs)}
     want = float(native(x))
-    for f in (plain, rep, pure, plain_k, rep_k, rep_sliced):
+    for f in (plain, rep, pure, plain_k, rep_k, rep_sliced, rep_outside):
         np.testing.assert_allclose(float(f(x)), want, rtol=1e-4, atol=1e-4)
     want5 = sum(float(native(a)) for a in xs)
     for f in (plain5, rep5):
