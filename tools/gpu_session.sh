@@ -54,6 +54,10 @@
 #                                 import blocks, the Numba drop-in break), the
 #                                 tests fixed after the first loaded run, and
 #                                 the re-sync probe
+#   bash tools/gpu_session.sh 11  issue 39's proofs after its fixes: the
+#                                 pending-import bound (CUDA's or XLA's?),
+#                                 tests/gpu -n 4 under load, bench_replay's
+#                                 experiments, more loaded host-read trials
 #   bash tools/gpu_session.sh 4 K the long run only, from case 10^6 K, for
 #                                 about 8 minutes (K = 1, 2, ... until the
 #                                 JSONs add up to 10^5 cases or more)
@@ -162,6 +166,36 @@ case "${1:-}" in
   echo "resync exit status $?" >>"$O/resync.txt"; tarball
   tail -25 "$O/import-bound.txt"; cat "$O/numba-imports.txt"
   grep -E "^FAILED|passed|failed" "$O/suite-rerun.txt" | cut -c1-220 | tail -30; head -30 "$O/resync.txt"
+  ;;
+11)
+  # Issue 39's proofs after the fixes of 2026-12-06: where the pending-import
+  # bound lives (CUDA's host functions or XLA), tests/gpu with pytest -n 4
+  # under load, the replay experiments (issue 40), and more loaded
+  # host-read trials per route (summed with earlier runs' files).
+  export PYTHONPATH=$PWD
+  "$PY" -c "import jax_overlay._xla_ext" 2>"$O/build.log" || JAX_OVERLAY_TESTING=1 \
+    "$PY" setup.py -q build_ext --inplace >>"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
+  timeout 60 "$PY" benchmarks/probe_hostfunc_bound.py --json "$O/hostfunc-bound.json" \
+    >"$O/hostfunc-bound.txt" 2>&1
+  echo "hostfunc probe exit status $?" >>"$O/hostfunc-bound.txt"; cat "$O/hostfunc-bound.txt"; tarball
+  "$PY" tests/gpu/load.py >"$O/load.txt" 2>&1 & LOAD=$!
+  for _ in $(seq 120); do grep -q ready "$O/load.txt" && break; sleep 0.5; done
+  JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 15 "${SUITE_TIMEOUT:-200}" "$PY" -m pytest -n 4 -q -rfs \
+    -p no:cacheprovider --durations=10 tests/gpu --ignore=tests/gpu/test_fuzz_dropin_gpu.py \
+    --ignore=tests/gpu/test_foreign_replay_gpu.py --ignore=tests/gpu/test_foreign_saved_graph_gpu.py \
+    >"$O/suite-n4-loaded.txt" 2>&1
+  echo "suite exit status $?" >>"$O/suite-n4-loaded.txt"
+  kill $LOAD; wait $LOAD; tarball
+  grep -E "^(FAILED|ERROR)|passed|failed" "$O/suite-n4-loaded.txt" | cut -c1-240 | tail -25
+  T2J=$(mktemp -d)
+  "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
+  PYTHONPATH=$PWD:$T2J timeout 130 "$PY" benchmarks/bench_replay.py --rounds 5 --out "$O" \
+    >"$O/replay-bench.log" 2>&1
+  echo "replay bench exit status $?"; cat "$O/replay-bench.txt" 2>/dev/null | tail -24; tarball
+  timeout -s INT "${PROBE_TIMEOUT:-150}" "$PY" benchmarks/probe_hostread.py --load loaded \
+    --routes "overlay from_dlpack,overlay from_cai,installed from_dlpack" \
+    --trials "${TRIALS:-870}" --queue 0 --json "$O/hostread-long2.json" >"$O/hostread-long2.txt" 2>&1
+  echo "probe exit status $?" | tee -a "$O/hostread-long2.txt"; tail -6 "$O/hostread-long2.txt"
   ;;
 2|3|4|5|6|7)
   JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
