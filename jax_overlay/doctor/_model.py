@@ -1,9 +1,10 @@
 """Room: the doctor's data model and its measurements.  A row (Row: the
 path, the protocol, the memory, what jax_overlay promises) builds a live
-Case for each side; each side is measured (works, zero-copy, in-flight
-trials, latency) and the row gets its verdict (evaluate).  The JSON
-report's keys and statuses are named here; the package's docstring says
-what they mean."""
+Case for each side; the call gets the source through a view that offers
+one protocol only (CAIView, DLPackView); each side is measured (works,
+zero-copy, in-flight trials, latency) and the row gets its verdict
+(evaluate).  The JSON report's keys and statuses are named here; the
+package's docstring says what they mean."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import time
 from typing import Callable
 
 import numpy as np
-
-from .producers import CAIView, DLPackView
 
 SCHEMA = "jax_overlay.doctor/2"
 ROW_KEYS = ("n", "direction", "peer", "protocol", "memory", "call", "status",
@@ -95,6 +94,64 @@ def not_applicable(reason):
     return build
 
 
+# --- the views a call gets: one protocol only --------------------------------------
+
+class CAIView:
+    """Only the CUDA Array Interface of `obj`, so a consumer that knows DLPack
+    too cannot take it instead.  `probe`, if given, runs right after `obj`'s
+    property first returns (exports: is the computation still running?)."""
+
+    def __init__(self, obj, probe=None):
+        self.obj, self.probe, self.after = obj, probe, None
+
+    @property
+    def __cuda_array_interface__(self):
+        cai = self.obj.__cuda_array_interface__
+        if self.probe is not None and self.after is None:
+            self.after = self.probe()
+        return cai
+
+
+class DLPackView:
+    """`obj`'s DLPack, offered as a legacy producer offers it (legacy=True:
+    the pre-2023 ``__dlpack__(stream=None)``, so a consumer that passes
+    ``max_version`` gets TypeError and must retry the legacy call) or passed
+    through.  Records which capsule it handed out, whether `obj` itself
+    raised, and runs `probe` like CAIView."""
+
+    def __init__(self, obj, *, legacy=False, probe=None, record=True):
+        self.obj, self.legacy, self.probe, self.record = obj, legacy, probe, record
+        self.after = self.capsule = self.producer_error = None
+        self.refused = False
+
+    def __dlpack__(self, stream=None, **kwargs):
+        if self.legacy and kwargs:
+            self.refused = True
+            raise TypeError(f"__dlpack__() got unexpected keyword arguments {sorted(kwargs)} "
+                            "(a legacy DLPack producer)")
+        try:
+            cap = self.obj.__dlpack__(stream=stream, **kwargs)
+        except Exception as e:
+            self.producer_error = e
+            raise
+        if self.record:
+            self.capsule = _capsule_kind(cap)
+        if self.probe is not None and self.after is None:
+            self.after = self.probe()
+        return cap
+
+    def __dlpack_device__(self):
+        return self.obj.__dlpack_device__()
+
+
+def _capsule_kind(cap):
+    from .. import _xla_ext as ext
+    try:
+        return "versioned" if ext.capsule_info(cap)["versioned"] else "legacy"
+    except Exception:  # noqa: BLE001 - a capsule we cannot read: say nothing
+        return None
+
+
 def _view(row, obj, *, probe=None, record=True):
     if row.protocol == "CAI":
         return CAIView(obj, probe)
@@ -138,8 +195,7 @@ def timed_calls(fn, args):
 
 
 def latency_us(fn, arg, calls):
-    """Median duration of `calls` single calls fn(arg) after a warm-up, in
-    microseconds."""
+    """Median of `calls` single calls fn(arg) after a warm-up, in µs."""
     for _ in range(max(5, calls // 10)):
         fn(arg)
     _, durations = timed_calls(fn, [arg] * calls)
@@ -244,10 +300,7 @@ def evaluate(row, n, trials, calls):
     refused = {}
     try:
         for name in ("stock", "overlay"):
-            if name == "overlay":
-                _install.install()
-            else:
-                _install.uninstall()
+            (_install.install if name == "overlay" else _install.uninstall)()
             rec[name], refused[name] = _side(row, row.build(), trials, calls)
     except Skip as e:
         rec["status"], rec["reason"] = "skipped", str(e)
@@ -270,4 +323,3 @@ def evaluate(row, n, trials, calls):
         broken = _broken_promise(row.expect, rec["overlay"])
         rec["status"], rec["reason"] = ("FAILED", broken) if broken else ("ok", None)
     return rec
-

@@ -1,7 +1,11 @@
 """Room: the doctor's probes.  What this machine has (the report's
 environment: versions, libcuda, the NVIDIA driver, JAX's devices), what a
-row needs before it can run (a GPU, a peer), and the host rows: NumPy
-arrays into JAX and JAX arrays out to NumPy, on the CPU backend."""
+row needs before it can run (a GPU, a peer), the host rows (NumPy arrays
+into JAX and JAX arrays out to NumPy, on the CPU backend), and the
+producers that are still busy when their array changes hands, for the GPU
+rows, the GPU tests and the benchmarks: a CuPy kernel that keeps a stream
+busy and then writes, PyTorch's sleep kernel, a JAX computation still
+running after dispatch.  CuPy and PyTorch are imported on first use."""
 
 from __future__ import annotations
 
@@ -12,8 +16,13 @@ import platform
 import re
 import subprocess
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+
 import numpy as np
 
+from ..peers import cupy as _cupy_peer
 from ._model import (CAI_ON_HOST, HOST_NO_STREAM, Case, Expect, Row, Skip, describe,
                      not_applicable)
 
@@ -40,7 +49,6 @@ def gpu_skip_reason():
     except BufferError as e:
         return f"no GPU: {e}"
     try:
-        import jax
         jax.devices("cuda")
     except Exception as e:  # noqa: BLE001 - any failure means no CUDA backend
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -64,28 +72,6 @@ def need(module):
         raise Skip(f"{top} not usable: {describe(e)}") from None
     except Exception as e:  # noqa: BLE001
         raise Skip(f"{top} not usable: {describe(e)}") from None
-
-
-def need_cupy():
-    """CuPy, on a GPU (else Skip); need_torch and need_numba (numba.cuda) alike."""
-    need_gpu()
-    return need("cupy")
-
-
-def need_torch():
-    need_gpu()
-    torch = need("torch")
-    if not torch.cuda.is_available():
-        raise Skip("torch has no CUDA here")
-    return torch
-
-
-def need_numba():
-    need_gpu()
-    cuda = need("numba.cuda")
-    if not cuda.is_available():
-        raise Skip("numba has no CUDA here")
-    return cuda
 
 
 def _distributions():
@@ -117,7 +103,6 @@ def nvidia_driver():
 
 
 def environment():
-    import jax
     import jaxlib
     from .. import __version__
     from .. import _install
@@ -167,14 +152,23 @@ def environment():
     return env
 
 
-# --- the rows ---------------------------------------------------------------------
+# --- the host rows ----------------------------------------------------------------
 
 def jax_ptr(x):
     return x.unsafe_buffer_pointer()
 
 
+def aligned_empty(shape, dtype, alignment=256):
+    """An empty NumPy array whose data starts `alignment`-byte aligned (JAX's
+    CPU client views only aligned host memory)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    buf = np.empty(n + alignment, np.uint8)
+    off = (-buf.ctypes.data) % alignment
+    return buf[off:off + n].view(dtype).reshape(shape)
+
+
 def _cpu_device():
-    import jax
     try:
         return jax.devices("cpu")[0]
     except RuntimeError as e:
@@ -183,7 +177,6 @@ def _cpu_device():
 
 def _numpy_source(memory):
     """A NumPy array (aligned, as JAX's CPU client wants for a view)."""
-    from .producers import aligned_empty
     _cpu_device()
     a = aligned_empty((64, 32), np.float32)
     a[...] = np.arange(a.size, dtype=np.float32).reshape(a.shape)
@@ -195,7 +188,6 @@ def _numpy_source(memory):
 
 
 def _jax_on_cpu():
-    import jax
     host = np.arange(2048, dtype=np.float32).reshape(64, 32)
     x = jax.device_put(host, _cpu_device())
     x.block_until_ready()
@@ -218,3 +210,113 @@ def host_rows():
     rows.append(Row("export", "NumPy", "CAI", "host", "np.asarray(x)",
                     not_applicable(CAI_ON_HOST), None))
     return rows
+
+
+# --- busy producers ---------------------------------------------------------------
+
+SPIN_SRC = r"""
+extern "C" __global__ void spin_fill(float* out, long long n, long long cycles, float value) {
+  long long start = clock64();
+  while (clock64() - start < cycles) { }
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)blockDim.x * gridDim.x) {
+    out[i] = value;
+  }
+}
+"""
+CLOCK_HZ = 1.98e9  # H200 boost clock; only sizes the delay, never a result
+JAX_N = 1 << 22
+
+
+@functools.cache
+def _spin():
+    import cupy as cp
+    return cp.RawKernel(SPIN_SRC, "spin_fill")
+
+
+def cycles(ms):
+    """GPU clock cycles in about `ms` milliseconds."""
+    return int(ms * 1e-3 * CLOCK_HZ)
+
+
+def spin_fill(arr, value, *, ms=1.0, stream=None):
+    """Enqueues on `stream` (a CuPy stream; default the current one), after
+    the legacy stream's work: wait about `ms` on the GPU, then
+    arr[:] = value.  `arr`: contiguous float32."""
+    import cupy as cp
+    n = arr.size
+    stream = stream or cp.cuda.get_current_stream()
+    if stream.ptr not in (0, 1):
+        # After what the legacy stream still has to do to `arr` (CuPy
+        # allocates and zeroes on it): a non-blocking stream does not wait
+        # for it, and under load the zeroing landed after the write.
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(cp.cuda.Stream.null)
+        stream.wait_event(done)
+    with stream:
+        _spin()((min(1024, (n + 255) // 256),), (256,),
+                (arr, cp.int64(n), cp.int64(cycles(ms)), cp.float32(value)))
+
+
+def torch_sleep(ms, stream):
+    """Enqueues about `ms` of GPU sleep on a PyTorch stream."""
+    import torch
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles(ms))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def jax_busy(k, start, steps):
+    """`steps` passes over `start` (laid out as it is), then `k` everywhere."""
+    v = lax.fori_loop(0, steps, lambda i, v: jnp.sqrt(v * v + 1.0) - 0.5, start)
+    return jnp.where(v > -1e30, k, 0.0).astype(jnp.float32)
+
+
+@functools.cache
+def seed(n=JAX_N):
+    """Ones on the default device: the input of the busy computations."""
+    return jnp.ones(n, jnp.float32)
+
+
+@jax.jit
+def _fill(k, start):
+    return jnp.where(start > -1e30, k, 0.0).astype(jnp.float32)
+
+
+@functools.cache
+def _hold_target():
+    import cupy as cp
+    return cp.empty(1, cp.float32)
+
+
+def jax_fill(k, *, steps=300, n=JAX_N):
+    """A JAX array of `n` values exactly `k` that stays pending for about
+    `steps` / 100 ms (300: 3 ms; 20000: 200 ms) after dispatch: XLA's compute
+    stream is first held by a spin kernel, then one fill kernel is
+    dispatched behind it.  A loop of `steps` passes over the data did the
+    same in most processes, but in some the whole loop ran within the
+    dispatch call (seen on the H200 with jax 0.11.2: the array was ready
+    0.1 ms after a 20000-step dispatch returned), and a producer that is
+    done before its consumer reads proves nothing.  Without CuPy, the loop."""
+    start = seed(n)
+    try:
+        importlib.import_module("cupy")  # the spin kernel's
+    except ImportError:
+        return jax_busy(float(k), start, steps)
+    from .. import _runtime as rt
+    device, = start.devices()
+    held = _cupy_peer.PEER.stream(rt.compute_stream(device), -1)  # -1: the current device
+    spin_fill(_hold_target(), 0.0, ms=steps / 100, stream=held)
+    return _fill(float(k), start)
+
+
+class WithStream:
+    """Re-exports another array's CAI with a chosen v3 stream."""
+
+    def __init__(self, base, stream):
+        self.base = base
+        self.cai = dict(base.__cuda_array_interface__, version=3, stream=stream)
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.cai
