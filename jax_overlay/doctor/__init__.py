@@ -29,6 +29,7 @@ statuses mean: docs/DOCTOR.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import json
 import re
@@ -36,9 +37,8 @@ import shutil
 import sys
 import textwrap
 
-# The rooms: _model (rows, cases, the views a call gets, measuring a side, the
-# verdict), _probes (the environment, what a row needs, the host rows, the busy
-# producers), _gpu (the GPU rows); the command line and the rendering are here.
+# The rooms: _model (rows, cases, views, measuring, the verdict), _probes (the machine,
+# what a row needs, host rows, busy producers), _gpu (GPU rows); the CLI and rendering here.
 from ._model import (CAI_ON_HOST, FAILING, HOST_NO_STREAM, PROTOCOLS, ROW_KEYS, SCHEMA, SIDE_KEYS,
                      STATUSES, CAIView, Case, DLPackView, Expect, NotApplicable, Row, Skip,
                      describe, evaluate, latency_us, not_applicable, timed_calls)
@@ -72,28 +72,20 @@ def run(*, as_json=False, plain=False, trials=20, calls=200, out=None, rows=None
         records = [evaluate(row, i + 1, trials, calls)
                    for i, row in enumerate(all_rows() if rows is None else rows)]
     finally:
-        if was_installed:
-            _install.install()
-        else:
-            _install.uninstall()
+        (_install.install if was_installed else _install.uninstall)()
     code = 1 if any(r["status"] in FAILING for r in records) else 0
     report = {"schema": SCHEMA, "environment": env, "rows": records, "exit_code": code}
+    text = json.dumps(report, indent=2) + "\n" if as_json or json_file else None
     if json_file:
         with open(json_file, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+            f.write(text)
     if as_json:
-        json.dump(report, out, indent=2)
-        out.write("\n")
-    elif not plain and _has_rich():
+        out.write(text)
+    elif not plain and importlib.util.find_spec("rich") is not None:
         render_rich(report, out)
     else:
         render_plain(report, out, terminal_width(out))
     return code
-
-
-def _has_rich():
-    return importlib.util.find_spec("rich") is not None
 
 
 def description() -> str:
@@ -189,9 +181,7 @@ def footnotes(report):
 
 
 def summary(report):
-    counts: dict[str, int] = {}
-    for r in report["rows"]:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    counts = collections.Counter(r["status"] for r in report["rows"])
     parts = [f"{counts[s]} {s}" for s in STATUSES if counts.get(s)]
     return f"{len(report['rows'])} rows: {', '.join(parts)}; exit status {report['exit_code']}"
 

@@ -23,29 +23,25 @@ MANAGED_BY_HOST = "managed memory written by the host here: no producer stream"
 TORCH_CAI = ("PyTorch exports CAI version 2, without a stream: no consumer can "
              "order after its pending work (use DLPack)")
 SAFE = Expect(stream_safe=True)
-DLPACK = PROTOCOLS[1:]
 
 
 def need_cupy():
-    """CuPy, on a GPU (else Skip); need_torch and need_numba (numba.cuda) alike."""
+    """CuPy, on a GPU (else Skip)."""
     need_gpu()
     return need("cupy")
 
 
-def need_torch():
+def _need_cuda(module, cuda):
+    """`module` on a GPU, where cuda(module).is_available() (else Skip)."""
     need_gpu()
-    torch = need("torch")
-    if not torch.cuda.is_available():
-        raise Skip("torch has no CUDA here")
-    return torch
+    m = need(module)
+    if not cuda(m).is_available():
+        raise Skip(f"{module.split('.')[0]} has no CUDA here")
+    return m
 
 
-def need_numba():
-    need_gpu()
-    cuda = need("numba.cuda")
-    if not cuda.is_available():
-        raise Skip("numba has no CUDA here")
-    return cuda
+need_torch = functools.partial(_need_cuda, "torch", lambda torch: torch.cuda)
+need_numba = functools.partial(_need_cuda, "numba.cuda", lambda cuda: cuda)
 
 
 def _cai_ptr(a):
@@ -61,8 +57,7 @@ def _minmax():
 
 def jax_minmax(x):
     """(min, max) of a JAX array, computed on its device by JAX."""
-    lo, hi = np.asarray(_minmax()(x)).tolist()
-    return lo, hi
+    return tuple(np.asarray(_minmax()(x)).tolist())
 
 
 def _numba_minmax(d):
@@ -255,8 +250,7 @@ def _export(consumer, protocol, memory):
 
 EXPORT_CALLS = {
     ("CuPy", "CAI"): "cupy.asarray(x)", ("CuPy", "DLPack"): "cupy.from_dlpack(x)",
-    ("PyTorch", "CAI"): 'torch.as_tensor(x, device="cuda")',
-    ("PyTorch", "DLPack"): "torch.from_dlpack(x)",
+    ("PyTorch", "CAI"): 'torch.as_tensor(x, device="cuda")', ("PyTorch", "DLPack"): "torch.from_dlpack(x)",
     ("Numba", "CAI"): "numba.cuda.as_cuda_array(x)", ("Numba", "DLPack"): "numba.cuda.from_dlpack(x)",
     ("NumPy", "DLPack"): 'np.from_dlpack(x, device="cpu")',
     ("PyTorch CPU", "DLPack"): "torch.from_dlpack(x.__dlpack__(dl_device=(1, 0)))",
@@ -274,8 +268,7 @@ def _import_row(peer, protocol, memory, build, expect):
 
 def _export_row(peer, protocol, memory, expect):
     call = EXPORT_CALLS[(peer, "CAI" if protocol == "CAI" else "DLPack")]
-    return Row("export", peer, protocol, memory, call, _export(CONSUMERS[peer], protocol, memory),
-               expect)
+    return Row("export", peer, protocol, memory, call, _export(CONSUMERS[peer], protocol, memory), expect)
 
 
 def rows():
@@ -288,7 +281,7 @@ def rows():
                 for p in ("CAI", "DLPack 1.x")]
     out += [_import_row("PyTorch", p, "device", P(_torch_import, "device", cai=p == "CAI"),
                         Expect() if p == "CAI" else SAFE) for p in PROTOCOLS]
-    out += [_import_row("PyTorch", p, "pinned", P(_torch_import, "pinned"), pinned) for p in DLPACK]
+    out += [_import_row("PyTorch", p, "pinned", P(_torch_import, "pinned"), pinned) for p in PROTOCOLS[1:]]
     out += [_import_row("Numba", "CAI", "device", P(_numba_import, "device"), SAFE),
             _import_row("Numba", "DLPack 1.x", "device", P(_numba_import, "device", "DLPack 1.x"), None),
             _import_row("Numba", "CAI", "pinned", P(_numba_import, "pinned"), pinned),

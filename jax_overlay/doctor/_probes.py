@@ -1,10 +1,9 @@
 """Room: the doctor's probes.  What this machine has (the report's
 environment: versions, libcuda, the NVIDIA driver, JAX's devices), what a
-row needs before it can run (a GPU, a peer), the host rows (NumPy arrays
-into JAX and JAX arrays out to NumPy, on the CPU backend), and the
-producers that are still busy when their array changes hands, for the GPU
-rows, the GPU tests and the benchmarks: a CuPy kernel that keeps a stream
-busy and then writes, PyTorch's sleep kernel, a JAX computation still
+row needs (a GPU, a peer), the host rows (NumPy into JAX and JAX out to
+NumPy, on the CPU backend), and producers still busy when their array
+changes hands, for the GPU rows, tests and benchmarks: a CuPy kernel that
+keeps a stream busy then writes, PyTorch's sleep, a JAX computation still
 running after dispatch.  CuPy and PyTorch are imported on first use."""
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ from ._model import (CAI_ON_HOST, HOST_NO_STREAM, Case, Expect, Row, Skip, descr
 
 
 def _gpu_peers():
-    """The registered peers besides NumPy (listed on its own): their
-    versions are the environment's."""
+    """The registered peers but NumPy (listed on its own): the environment's versions."""
     from ..peers import REGISTRY
     return [p for name, p in REGISTRY.items() if name != "numpy"]
 
@@ -66,12 +64,9 @@ def need(module):
     top = module.split(".")[0]
     try:
         return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and e.name.split(".")[0] == top:
-            raise Skip(f"{top} not installed") from None
-        raise Skip(f"{top} not usable: {describe(e)}") from None
-    except Exception as e:  # noqa: BLE001
-        raise Skip(f"{top} not usable: {describe(e)}") from None
+    except Exception as e:  # noqa: BLE001 - not installed, or it fails on import
+        missing = isinstance(e, ModuleNotFoundError) and e.name and e.name.split(".")[0] == top
+        raise Skip(f"{top} not installed" if missing else f"{top} not usable: {describe(e)}") from None
 
 
 def _distributions():
@@ -87,13 +82,10 @@ def _distributions():
 
 def nvidia_driver():
     """The NVIDIA kernel driver's version, or None."""
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            m = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d[\w.]*)", f.read())
+    with contextlib.suppress(OSError), open("/proc/driver/nvidia/version") as f:
+        m = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d[\w.]*)", f.read())
         if m:
             return m.group(1)
-    except OSError:
-        pass
     try:
         p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                            capture_output=True, text=True, timeout=20)
@@ -109,31 +101,22 @@ def environment():
     from .. import _xla_ext as ext
     dists = _distributions()
 
-    def version(*names, prefix=None):
-        for name in names:
-            if name in dists:
-                return dists[name]
-        if prefix:
-            hits = sorted(n for n in dists if n.startswith(prefix))
-            if hits:
-                return f"{dists[hits[0]]} ({hits[0]})"
-        return None
+    def version(name, prefix=None):
+        if name in dists:
+            return dists[name]
+        hits = sorted(n for n in dists if prefix and n.startswith(prefix))
+        return f"{dists[hits[0]]} ({hits[0]})" if hits else None
 
     plugins = sorted(n for n in dists if re.fullmatch(r"jax-cuda\d+-(plugin|pjrt)", n))
     env = {
         "jax_overlay": __version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(terse=True),
-        "numpy": np.__version__,
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
+        "python": platform.python_version(), "platform": platform.platform(terse=True),
+        "numpy": np.__version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "jax_cuda_plugin": ", ".join(f"{n} {dists[n]}" for n in plugins) or None,
         # A peer's distribution, or a build of it named after it ("cupy-cuda13x").
         **{p.name: version(p.distribution, prefix=p.distribution + "-") for p in _gpu_peers()},
         "libcuda": None, "cuda_driver_api": None,
-        "nvidia_driver": nvidia_driver(),
-        "devices": [],
-        "gpu": gpu_skip_reason(),
+        "nvidia_driver": nvidia_driver(), "devices": [], "gpu": gpu_skip_reason(),
         "jax_overlay_installed": _install.installed(),
     }
     if version("numba-cuda") and "numba" in env:
@@ -197,19 +180,13 @@ def _jax_on_cpu():
 
 
 def host_rows():
-    rows = []
-    for memory in ("host", "host, read-only", "host, strided"):
-        for protocol in ("DLPack legacy", "DLPack 1.x"):
-            rows.append(Row("import", "NumPy", protocol, memory, "jax.dlpack.from_dlpack(a)",
-                            functools.partial(_numpy_source, memory),
-                            Expect(zero_copy=memory != "host, strided")))
-    rows.append(Row("import", "NumPy", "CAI", "host", "jnp.asarray(a)",
-                    not_applicable(CAI_ON_HOST), None))
-    for protocol in ("DLPack legacy", "DLPack 1.x"):
-        rows.append(Row("export", "NumPy", protocol, "host", "np.from_dlpack(x)", _jax_on_cpu))
-    rows.append(Row("export", "NumPy", "CAI", "host", "np.asarray(x)",
-                    not_applicable(CAI_ON_HOST), None))
-    return rows
+    dlpack = ("DLPack legacy", "DLPack 1.x")
+    return [*(Row("import", "NumPy", p, memory, "jax.dlpack.from_dlpack(a)",
+                  functools.partial(_numpy_source, memory), Expect(zero_copy=memory != "host, strided"))
+              for memory in ("host", "host, read-only", "host, strided") for p in dlpack),
+            Row("import", "NumPy", "CAI", "host", "jnp.asarray(a)", not_applicable(CAI_ON_HOST), None),
+            *(Row("export", "NumPy", p, "host", "np.from_dlpack(x)", _jax_on_cpu) for p in dlpack),
+            Row("export", "NumPy", "CAI", "host", "np.asarray(x)", not_applicable(CAI_ON_HOST), None)]
 
 
 # --- busy producers ---------------------------------------------------------------
@@ -291,13 +268,12 @@ def _hold_target():
 
 def jax_fill(k, *, steps=300, n=JAX_N):
     """A JAX array of `n` values exactly `k` that stays pending for about
-    `steps` / 100 ms (300: 3 ms; 20000: 200 ms) after dispatch: XLA's compute
-    stream is first held by a spin kernel, then one fill kernel is
-    dispatched behind it.  A loop of `steps` passes over the data did the
-    same in most processes, but in some the whole loop ran within the
-    dispatch call (seen on the H200 with jax 0.11.2: the array was ready
-    0.1 ms after a 20000-step dispatch returned), and a producer that is
-    done before its consumer reads proves nothing.  Without CuPy, the loop."""
+    `steps` / 100 ms (300: 3 ms) after dispatch: a spin kernel holds XLA's
+    compute stream, one fill kernel is dispatched behind it.  Not a loop of
+    `steps` passes: in some processes the whole loop ran within the dispatch
+    call (H200, jax 0.11.2: ready 0.1 ms after a 20000-step dispatch
+    returned), and a producer done before its consumer reads proves
+    nothing.  Without CuPy, the loop."""
     start = seed(n)
     try:
         importlib.import_module("cupy")  # the spin kernel's
