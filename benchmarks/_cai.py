@@ -4,7 +4,7 @@ would; nothing here reaches into tests/."""
 
 from __future__ import annotations
 
-from jax_overlay.doctor.producers import WithStream  # noqa: F401  (the suite's too)
+from jax_overlay.doctor import WithStream  # noqa: F401  (the suite's too)
 
 
 class HostCAI:

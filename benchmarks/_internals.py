@@ -13,7 +13,7 @@ from jax_overlay import _strided  # probe_call_cost, probe_strided: plan, kernel
 from jax_overlay import _view  # probe_strided: _row_major
 from jax_overlay import _vocab  # device codes, alignment rules (probe_call_cost, probe_strided)
 from jax_overlay import _xla_ext  # the native core: parse_cai, plan_*_import, order_after, capsules, ...
-from jax_overlay.doctor.producers import JAX_N, cycles, jax_fill, spin_fill, torch_sleep  # busy producers
+from jax_overlay.doctor import JAX_N, cycles, jax_fill, spin_fill, torch_sleep  # busy producers
 from jax_overlay.peers import cupy as _cupy_peer
 
 

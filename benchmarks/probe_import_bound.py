@@ -12,7 +12,7 @@ import cupy as cp
 import jax, jax.numpy as jnp
 import jax_overlay
 sys.path.insert(0, "tests/gpu")
-from jax_overlay.doctor.producers import spin_fill
+from jax_overlay.doctor import spin_fill
 pid = os.getpid()
 import ctypes
 ctypes.CDLL(None).prctl(0x59616d61, ctypes.c_ulong(-1 & 0xffffffffffffffff), 0, 0, 0)  # PR_SET_PTRACER_ANY: gdb, our child, may attach

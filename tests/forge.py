@@ -15,7 +15,7 @@ from typing import Any
 
 from jax_overlay import _cai, _view
 from jax_overlay import _xla_ext as ext
-from jax_overlay.doctor.producers import aligned_empty  # noqa: F401  (the tests' too)
+from jax_overlay.doctor import aligned_empty  # noqa: F401  (the tests' too)
 
 from jax_overlay._vocab import KDLCPU as _KDLCPU  # noqa: E402
 

@@ -1,33 +1,11 @@
-"""Room: the doctor.  `python -m jax_overlay doctor`: what this machine has, and a live round
+"""Room: the doctor's face: its command line and the report's rendering.
+`python -m jax_overlay doctor`: what this machine has, and a live round
 trip on every interchange path it can run, with stock JAX and with
 jax_overlay installed, in one table.
 
-Rows are (direction, peer, protocol, memory): imports (peer -> JAX) and
-exports (JAX -> peer) with NumPy on the host, and CuPy, PyTorch and Numba on
-the GPU, over the CUDA Array Interface (CAI), legacy DLPack (the producer has
-the pre-2023 ``__dlpack__(stream=None)``) and DLPack 1.x, on host, device,
-pinned host and managed memory.  Each row runs the same user-level call
-twice: with stock JAX (``jax_overlay.uninstall()``) and with jax_overlay
-installed (``install()``).  CAI rows hand the consumer a view that has only
-``__cuda_array_interface__``, so it cannot pick DLPack instead.
-
-Columns, for each side:
-
-* works: the call returned the source's values;
-* zero-copy: the result has the source's data pointer;
-* stream (stream-safe): `--trials` times, the producer's kernel is still
-  running when the call is made (a CuPy kernel or PyTorch's sleep on the
-  producer's own stream, then a write of k; for exports, a JAX computation
-  that writes k); the result is then read on the GPU (a JAX reduction, or the
-  consumer's own).  "yes": no stale read, and the call returned while the
-  producer was still busy (for exports: when JAX's export method returned);
-  "stale i/n": i reads saw old data; "waits": never stale, but the host
-  waited for the producer every time; "fails": the call raised; "n/a": no
-  stream is involved (host memory, or a producer that exports none);
-* us: median of single-call durations, idle producer, after a warm-up.
-
 Exit status: 0 when every row has the result jax_overlay promises for it
-(skipped and n/a rows are fine), 1 otherwise.
+(skipped and n/a rows are fine), 1 otherwise.  What the rows, columns and
+statuses mean: docs/DOCTOR.md.
 
 ``--json`` prints one object (schema ``SCHEMA``):
 
@@ -46,49 +24,42 @@ Exit status: 0 when every row has the result jax_overlay promises for it
   (null or ``{"n", "stale", "in_flight"}``), ``latency_us`` (number or null),
   ``capsule`` ("versioned" | "legacy" | null: the DLPack capsule exchanged),
   ``error`` and ``note`` (strings or null)).
-
-Statuses: "ok" (jax_overlay did what it promises, or the row promises
-nothing and works), "FAILED" (a promise was broken: counts for the exit
-status), "ERROR" (the doctor could not set the row up: counts too),
-"unsupported" (a row that promises nothing did not work), "skipped" (cannot
-run here: no GPU, a peer not installed), "n/a" (the path does not exist, or
-the peer refuses it with stock JAX and with jax_overlay alike).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import json
 import re
+import shutil
 import sys
+import textwrap
 
-# The rooms: _model (rows, cases, measuring a side, the verdict), _probes (the
-# environment, what a row needs, the host rows), _gpu (the GPU rows), producers
-# (busy producers, protocol views), _render (the table); the command line is here.
+# The rooms: _model (rows, cases, views, measuring, the verdict), _probes (the machine,
+# what a row needs, host rows, busy producers), _gpu (GPU rows); the CLI and rendering here.
 from ._model import (CAI_ON_HOST, FAILING, HOST_NO_STREAM, PROTOCOLS, ROW_KEYS, SCHEMA, SIDE_KEYS,
-                     STATUSES, Case, Expect, NotApplicable, Row, Skip, describe, evaluate,
-                     latency_us, not_applicable, timed_calls)
-from ._probes import (ENV_KEYS, environment, gpu_skip_reason, host_rows, need,
-                      need_gpu, nvidia_driver)
-from .producers import CAIView, DLPackView
-from ._render import (HEADER, footnotes, render_plain, render_rich, summary, table_rows,
-                      terminal_width)
+                     STATUSES, CAIView, Case, DLPackView, Expect, NotApplicable, Row, Skip,
+                     describe, evaluate, latency_us, not_applicable, timed_calls)
+from ._probes import (CLOCK_HZ, ENV_KEYS, JAX_N, SPIN_SRC, WithStream, _gpu_peers, aligned_empty,
+                      cycles, environment, gpu_skip_reason, host_rows, jax_busy, jax_fill, need,
+                      need_gpu, nvidia_driver, seed, spin_fill, torch_sleep)
 
-__all__ = ["CAIView", "CAI_ON_HOST", "Case", "DLPackView", "ENV_KEYS", "Expect", "FAILING",
-           "HEADER", "HOST_NO_STREAM", "NotApplicable", "PROTOCOLS", "ROW_KEYS", "Row", "SCHEMA",
-           "SIDE_KEYS", "STATUSES", "Skip", "add_arguments", "all_rows", "describe", "description",
-           "environment", "evaluate", "footnotes", "gpu_skip_reason", "host_rows", "latency_us",
-           "main", "need", "need_gpu", "not_applicable", "nvidia_driver", "render_plain",
-           "render_rich", "run", "summary", "table_rows", "timed_calls"]
+__all__ = ["CAIView", "CAI_ON_HOST", "CLOCK_HZ", "Case", "DLPackView", "ENV_KEYS", "Expect",
+           "FAILING", "HEADER", "HOST_NO_STREAM", "JAX_N", "NotApplicable", "PROTOCOLS", "ROW_KEYS",
+           "Row", "SCHEMA", "SIDE_KEYS", "SPIN_SRC", "STATUSES", "Skip", "WithStream",
+           "add_arguments", "aligned_empty", "all_rows", "cycles", "describe", "description",
+           "environment", "evaluate", "footnotes", "gpu_skip_reason", "host_rows", "jax_busy",
+           "jax_fill", "latency_us", "main", "need", "need_gpu", "not_applicable", "nvidia_driver",
+           "render_plain", "render_rich", "run", "seed", "spin_fill", "summary", "table_rows",
+           "terminal_width", "timed_calls", "torch_sleep"]
 
 
 def all_rows():
     from . import _gpu as _doctor_gpu
     return host_rows() + _doctor_gpu.rows()
 
-
-# --- output -------------------------------------------------------------------------
 
 def run(*, as_json=False, plain=False, trials=20, calls=200, out=None, rows=None, json_file=None):
     """Measures every row; writes the report (and the JSON report to
@@ -101,28 +72,20 @@ def run(*, as_json=False, plain=False, trials=20, calls=200, out=None, rows=None
         records = [evaluate(row, i + 1, trials, calls)
                    for i, row in enumerate(all_rows() if rows is None else rows)]
     finally:
-        if was_installed:
-            _install.install()
-        else:
-            _install.uninstall()
+        (_install.install if was_installed else _install.uninstall)()
     code = 1 if any(r["status"] in FAILING for r in records) else 0
     report = {"schema": SCHEMA, "environment": env, "rows": records, "exit_code": code}
+    text = json.dumps(report, indent=2) + "\n" if as_json or json_file else None
     if json_file:
         with open(json_file, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+            f.write(text)
     if as_json:
-        json.dump(report, out, indent=2)
-        out.write("\n")
-    elif not plain and _has_rich():
+        out.write(text)
+    elif not plain and importlib.util.find_spec("rich") is not None:
         render_rich(report, out)
     else:
         render_plain(report, out, terminal_width(out))
     return code
-
-
-def _has_rich():
-    return importlib.util.find_spec("rich") is not None
 
 
 def description() -> str:
@@ -151,3 +114,177 @@ def main(argv=None, out=None):
         prog="python -m jax_overlay doctor", description=description())).parse_args(argv)
     return run(as_json=args.json, plain=args.plain, trials=args.trials, calls=args.calls, out=out,
                json_file=args.json_file)
+
+
+# --- rendering --------------------------------------------------------------------
+
+def _yes(v):
+    return "" if v is None else "yes" if v else "no"
+
+
+def _stream_cell(side):
+    if side is None or not side["works"]:
+        return ""
+    t = side["trials"]
+    if t is None:
+        return "n/a"
+    if side["error"] and side["error"].startswith(("in flight", "waiting")):
+        return "fails"
+    if t["stale"]:
+        return f"stale {t['stale']}/{t['n']}"
+    return "waits" if side["host_waits"] else "yes"
+
+
+def _cells(side):
+    if side is None:
+        return ["", "", "", ""]
+    us = "" if side["latency_us"] is None else f"{side['latency_us']:.1f}"
+    return [_yes(side["works"]), _yes(side["zero_copy"]), _stream_cell(side), us]
+
+
+HEADER = ["#", "path", "protocol", "memory", "works", "0-copy", "stream", "us",
+          "works", "0-copy", "stream", "us", "status"]
+
+
+def table_rows(report):
+    """The table's cells; skip reasons inline, other reasons in the notes."""
+    out = []
+    for r in report["rows"]:
+        status = f"skipped: {r['reason']}" if r["status"] == "skipped" else r["status"]
+        path = f"{r['peer']} -> JAX" if r["direction"] == "import" else f"JAX -> {r['peer']}"
+        sides = (None, None) if r["status"] == "n/a" else (r["stock"], r["overlay"])
+        out.append([str(r["n"]), path, r["protocol"], r["memory"], *_cells(sides[0]),
+                    *_cells(sides[1]), status])
+    return out
+
+
+def footnotes(report):
+    """Why rows are n/a, failed or unsupported, and each side's errors and
+    notes (once when both sides say the same; host memory having no stream
+    goes without saying)."""
+    lines = []
+    for r in report["rows"]:
+        if r["status"] in ("n/a", "FAILED", "ERROR", "unsupported") and r["reason"]:
+            lines.append(f"{r['n']:>3} {r['status']}: {r['reason']}")
+        if r["status"] == "n/a" or r["stock"] is None:
+            continue
+        for key in ("error", "note"):
+            said = {name: r[name][key] for name in ("stock", "overlay")}
+            said = {k: v for k, v in said.items() if v and v != HOST_NO_STREAM
+                    and not (r["reason"] and v in r["reason"])}
+            if len(said) == 2 and said["stock"] == said["overlay"]:
+                lines.append(f"{r['n']:>3} both: {said['stock']}")
+                continue
+            lines += [f"{r['n']:>3} {'stock' if k == 'stock' else 'jax_overlay'}: {v}"
+                      for k, v in said.items()]
+    return lines
+
+
+def summary(report):
+    counts = collections.Counter(r["status"] for r in report["rows"])
+    parts = [f"{counts[s]} {s}" for s in STATUSES if counts.get(s)]
+    return f"{len(report['rows'])} rows: {', '.join(parts)}; exit status {report['exit_code']}"
+
+
+def _env_lines(env):
+    def v(x):
+        return "not installed" if x is None else str(x)
+    devices = ", ".join(f"{d['platform']}:{d['id']} ({d['kind']})" for d in env["devices"]) or "none"
+    return [
+        ("jax_overlay", f"{env['jax_overlay']} (installed before this run: {env['jax_overlay_installed']})"),
+        ("python", f"{env['python']} on {env['platform']}"),
+        ("numpy", env["numpy"]),
+        ("jax / jaxlib", f"{env['jax']} / {env['jaxlib']}"),
+        ("jax CUDA plugin", v(env["jax_cuda_plugin"])),
+        *((p.name, v(env[p.name])) for p in _gpu_peers()),
+        ("libcuda", env["libcuda"]),
+        ("CUDA driver API", v(env["cuda_driver_api"]) if env["cuda_driver_api"] else "-"),
+        ("NVIDIA driver", env["nvidia_driver"] or "-"),
+        ("devices", devices),
+        ("GPU rows", env["gpu"] or "run"),
+    ]
+
+
+def terminal_width(out):
+    """The width to fit where `out` is a terminal (its width, or $COLUMNS);
+    None, the wide table, for a pipe or a file."""
+    isatty = getattr(out, "isatty", None)
+    if isatty is not None and isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
+def render_plain(report, out, width=None):
+    """The report as text: the wide table, or where it would not fit in
+    `width` columns, each row in a few lines that do."""
+    out.write("jax_overlay doctor\n")
+    for k, v in _env_lines(report["environment"]):
+        text = f"  {k:<16} {v}"
+        if width is not None and len(text) > width:
+            text = "\n".join(textwrap.wrap(text, width, subsequent_indent=" " * 19))
+        out.write(text + "\n")
+    rows = [HEADER] + table_rows(report)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
+    wide = 4 + sum(w + 2 for w in widths) + max(len(r[-1]) for r in rows)
+    if width is not None and wide > width:
+        _narrow(rows[1:], out, width)
+    else:
+        _wide(rows, widths, out)
+    notes = footnotes(report)
+    if notes:
+        out.write("\nnotes (by row):\n")
+        for n in notes:
+            out.write((textwrap.fill(n, width, initial_indent="  ", subsequent_indent="    ")
+                       if width else "  " + n) + "\n")
+    out.write("\n" + summary(report) + "\n")
+
+
+def _narrow(rows, out, width):
+    """Each row as its names and status, then one line per side."""
+    out.write("\n  #  path, protocol, memory: status\n"
+              "       each side: works, zero-copy, stream-ordered, µs per call\n")
+    for r in rows:
+        head = f"{r[0]:>3}  {r[1]}, {r[2]}, {r[3]}: {r[-1]}"
+        out.write(textwrap.fill(head, width, subsequent_indent=" " * 7) + "\n")
+        for name, cells in (("stock", r[4:8]), ("jax_overlay", r[8:12])):
+            if any(cells):
+                out.write(f"       {name:<12} {', '.join(c or '-' for c in cells)}\n")
+
+
+def _wide(rows, widths, out):
+    stock_at = sum(w + 2 for w in widths[:4])
+    overlay_at = stock_at + sum(w + 2 for w in widths[4:8])
+    out.write("\n" + " " * (2 + stock_at) + "stock JAX".ljust(overlay_at - stock_at)
+              + "jax_overlay installed\n")
+    right = {0, 7, 11}
+    for r in rows:
+        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i])
+                 for i, c in enumerate(r[:-1])]
+        out.write("  " + "  ".join(cells) + "  " + r[-1] + "\n")
+
+
+def render_rich(report, out):
+    from rich.console import Console
+    from rich.table import Table
+    width = terminal_width(out)
+    if width is not None and width < 170:
+        return render_plain(report, out, width)  # rich's table does not fit: the narrow text
+    console = Console(file=out, width=max(170, Console(file=out).width))
+    env = Table.grid(padding=(0, 2))
+    for k, v in _env_lines(report["environment"]):
+        env.add_row(k, str(v))
+    console.print("[bold]jax_overlay doctor[/bold]")
+    console.print(env)
+    t = Table(show_lines=False, header_style="bold")
+    for i, h in enumerate(HEADER):
+        side = "stock\n" if 4 <= i < 8 else "overlay\n" if 8 <= i < 12 else "\n"
+        t.add_column(side + (h if h != "us" else "µs"), justify="right" if i in (0, 7, 11) else "left",
+                     no_wrap=i != 12, min_width=16 if i == 12 else None)
+    colour = {"ok": "green", "FAILED": "bold red", "ERROR": "bold red", "unsupported": "yellow"}
+    for r, rec in zip(table_rows(report), report["rows"]):
+        c = colour.get(rec["status"])
+        t.add_row(*r[:-1], f"[{c}]{r[-1]}[/{c}]" if c else r[-1])
+    console.print(t)
+    for n in footnotes(report):
+        console.print(n, markup=False, highlight=False)
+    console.print(summary(report), markup=False, highlight=False)

@@ -14,8 +14,7 @@ import numpy as np
 from .. import _runtime as rt
 from ..peers import cupy as _cupy_peer
 from ._model import PROTOCOLS, Case, Expect, NotApplicable, Row, Skip
-from ._probes import jax_ptr, need_cupy, need_gpu, need_numba, need_torch
-from .producers import jax_fill, spin_fill, torch_sleep
+from ._probes import jax_fill, jax_ptr, need, need_gpu, spin_fill, torch_sleep
 
 N = 1 << 16        # float32 elements of the doctor's arrays (256 KiB)
 TRIAL_MS = 1.0     # how long the producer stays busy in one in-flight trial
@@ -24,7 +23,25 @@ MANAGED_BY_HOST = "managed memory written by the host here: no producer stream"
 TORCH_CAI = ("PyTorch exports CAI version 2, without a stream: no consumer can "
              "order after its pending work (use DLPack)")
 SAFE = Expect(stream_safe=True)
-DLPACK = PROTOCOLS[1:]
+
+
+def need_cupy():
+    """CuPy, on a GPU (else Skip)."""
+    need_gpu()
+    return need("cupy")
+
+
+def _need_cuda(module, cuda):
+    """`module` on a GPU, where cuda(module).is_available() (else Skip)."""
+    need_gpu()
+    m = need(module)
+    if not cuda(m).is_available():
+        raise Skip(f"{module.split('.')[0]} has no CUDA here")
+    return m
+
+
+need_torch = functools.partial(_need_cuda, "torch", lambda torch: torch.cuda)
+need_numba = functools.partial(_need_cuda, "numba.cuda", lambda cuda: cuda)
 
 
 def _cai_ptr(a):
@@ -40,8 +57,12 @@ def _minmax():
 
 def jax_minmax(x):
     """(min, max) of a JAX array, computed on its device by JAX."""
-    lo, hi = np.asarray(_minmax()(x)).tolist()
-    return lo, hi
+    return tuple(np.asarray(_minmax()(x)).tolist())
+
+
+def _numba_minmax(d):
+    h = d.copy_to_host()
+    return float(h.min()), float(h.max())
 
 
 # --- imports ------------------------------------------------------------------
@@ -155,12 +176,7 @@ def _numba_consumer(protocol):
     convert = cuda.as_cuda_array if protocol == "CAI" else getattr(cuda, "from_dlpack", None)
     if convert is None:
         raise NotApplicable("numba.cuda has no from_dlpack")
-
-    def minmax(d):
-        h = d.copy_to_host()
-        return float(h.min()), float(h.max())
-
-    return convert, _cai_ptr, lambda d: d.copy_to_host(), minmax
+    return convert, _cai_ptr, lambda d: d.copy_to_host(), _numba_minmax
 
 
 def _torch_cpu_consumer(protocol):
@@ -186,11 +202,8 @@ def _numba_kernel_consumer(protocol):
         kernel[(N + 255) // 256, 256](x, out)
         return out
 
-    def minmax(d):
-        h = d.copy_to_host()
-        return float(h.min()), float(h.max())
     # The kernel writes its own output: no pointer to compare (zero-copy n/a).
-    return run, lambda d: None, lambda d: d.copy_to_host(), minmax
+    return run, lambda d: None, lambda d: d.copy_to_host(), _numba_minmax
 
 
 @functools.cache
@@ -235,14 +248,9 @@ def _export(consumer, protocol, memory):
 
 # --- the rows -------------------------------------------------------------------
 
-def _import_call(protocol):
-    return "jnp.asarray(a)" if protocol == "CAI" else "jax.dlpack.from_dlpack(a)"
-
-
 EXPORT_CALLS = {
     ("CuPy", "CAI"): "cupy.asarray(x)", ("CuPy", "DLPack"): "cupy.from_dlpack(x)",
-    ("PyTorch", "CAI"): 'torch.as_tensor(x, device="cuda")',
-    ("PyTorch", "DLPack"): "torch.from_dlpack(x)",
+    ("PyTorch", "CAI"): 'torch.as_tensor(x, device="cuda")', ("PyTorch", "DLPack"): "torch.from_dlpack(x)",
     ("Numba", "CAI"): "numba.cuda.as_cuda_array(x)", ("Numba", "DLPack"): "numba.cuda.from_dlpack(x)",
     ("NumPy", "DLPack"): 'np.from_dlpack(x, device="cpu")',
     ("PyTorch CPU", "DLPack"): "torch.from_dlpack(x.__dlpack__(dl_device=(1, 0)))",
@@ -253,32 +261,31 @@ CONSUMERS = {"CuPy": _cupy_consumer, "PyTorch": _torch_consumer, "Numba": _numba
              "Numba kernel": _numba_kernel_consumer}
 
 
+def _import_row(peer, protocol, memory, build, expect):
+    call = "jnp.asarray(a)" if protocol == "CAI" else "jax.dlpack.from_dlpack(a)"
+    return Row("import", peer, protocol, memory, call, build, expect)
+
+
 def _export_row(peer, protocol, memory, expect):
     call = EXPORT_CALLS[(peer, "CAI" if protocol == "CAI" else "DLPack")]
-    return Row("export", peer, protocol, memory, call, _export(CONSUMERS[peer], protocol, memory),
-               expect)
+    return Row("export", peer, protocol, memory, call, _export(CONSUMERS[peer], protocol, memory), expect)
 
 
 def rows():
     P = functools.partial
     pinned = Expect(zero_copy=rt.PINNED_VIEW)  # jaxlib < 0.10.2 copies pinned memory
-    out = [Row("import", "CuPy", p, "device", _import_call(p), P(_cupy_import, "device"), SAFE)
-           for p in PROTOCOLS]
+    out = [_import_row("CuPy", p, "device", P(_cupy_import, "device"), SAFE) for p in PROTOCOLS]
     for memory, expect in (("device, strided", Expect(zero_copy=False, stream_safe=True)),
                            ("managed", SAFE)):
-        out += [Row("import", "CuPy", p, memory, _import_call(p), P(_cupy_import, memory), expect)
+        out += [_import_row("CuPy", p, memory, P(_cupy_import, memory), expect)
                 for p in ("CAI", "DLPack 1.x")]
-    out += [Row("import", "PyTorch", p, "device", _import_call(p),
-                P(_torch_import, "device", cai=p == "CAI"), Expect() if p == "CAI" else SAFE)
-            for p in PROTOCOLS]
-    out += [Row("import", "PyTorch", p, "pinned", _import_call(p), P(_torch_import, "pinned"), pinned)
-            for p in DLPACK]
-    out += [Row("import", "Numba", "CAI", "device", _import_call("CAI"), P(_numba_import, "device"), SAFE),
-            Row("import", "Numba", "DLPack 1.x", "device", _import_call("DLPack 1.x"),
-                P(_numba_import, "device", "DLPack 1.x"), None),
-            Row("import", "Numba", "CAI", "pinned", _import_call("CAI"), P(_numba_import, "pinned"), pinned),
-            Row("import", "Numba", "CAI", "managed", _import_call("CAI"), P(_numba_import, "managed"),
-                Expect())]
+    out += [_import_row("PyTorch", p, "device", P(_torch_import, "device", cai=p == "CAI"),
+                        Expect() if p == "CAI" else SAFE) for p in PROTOCOLS]
+    out += [_import_row("PyTorch", p, "pinned", P(_torch_import, "pinned"), pinned) for p in PROTOCOLS[1:]]
+    out += [_import_row("Numba", "CAI", "device", P(_numba_import, "device"), SAFE),
+            _import_row("Numba", "DLPack 1.x", "device", P(_numba_import, "device", "DLPack 1.x"), None),
+            _import_row("Numba", "CAI", "pinned", P(_numba_import, "pinned"), pinned),
+            _import_row("Numba", "CAI", "managed", P(_numba_import, "managed"), Expect())]
     out += [_export_row("CuPy", p, "device", SAFE) for p in PROTOCOLS]
     out += [_export_row("PyTorch", p, "device", SAFE) for p in PROTOCOLS]
     out += [_export_row("Numba", "CAI", "device", SAFE),

@@ -1,12 +1,12 @@
-"""Room: the doctor's data model and its measurements.  A row (Row: the
-path, the protocol, the memory, what jax_overlay promises) builds a live
-Case for each side; each side is measured (works, zero-copy, in-flight
-trials, latency) and the row gets its verdict (evaluate).  The JSON
-report's keys and statuses are named here; the package's docstring says
-what they mean."""
+"""Room: the doctor's data model and its measurements.  A Row (path, protocol,
+memory, what jax_overlay promises) builds a live Case for each side, handed
+to the call through a view of one protocol (CAIView, DLPackView); each side
+is measured (works, zero-copy, in-flight trials, latency), then the verdict
+(evaluate).  The JSON report's keys and statuses are named here."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from .producers import CAIView, DLPackView
+from .. import _xla_ext as ext
 
 SCHEMA = "jax_overlay.doctor/2"
 ROW_KEYS = ("n", "direction", "peer", "protocol", "memory", "call", "status",
@@ -35,8 +35,7 @@ class Skip(Exception):
 
 
 class NotApplicable(Exception):
-    """The path does not exist (the CUDA Array Interface on the host, a peer
-    without the protocol)."""
+    """The path does not exist (CAI on the host, a peer without the protocol)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,33 +48,21 @@ class Expect:
 
 @dataclasses.dataclass
 class Case:
-    """One live path, built afresh for each side (stock, then jax_overlay).
-
-    source, source_ptr, expected: the peer's array (imports) or the JAX
-      array (exports), its data pointer and its values.
-    convert: exports only: the consumer's call; imports use the row's
-      protocol's JAX call.
-    result_ptr, read: the result's data pointer and NumPy values.
-    minmax: the result's (min, max), computed on the GPU (by JAX for
-      imports, by the consumer for exports).
-    trial: k -> (source, context, busy): enqueues producer work that writes k
-      everywhere and is still running on return; the call runs inside
-      `context`; busy() says whether that work still runs.
-    sync: waits for all the producer's work.
-    no_trial: why there is no in-flight test.  note: said in the row.
-    keep: what must outlive the case (a memory pool)."""
-    source: object
-    source_ptr: int
-    expected: np.ndarray
-    result_ptr: Callable
-    read: Callable
-    convert: Callable | None = None
-    minmax: Callable | None = None
+    """One live path, built afresh for each side (stock, then jax_overlay)."""
+    source: object                   # the peer's array (imports) or the JAX array (exports)
+    source_ptr: int                  # its data pointer
+    expected: np.ndarray             # its values
+    result_ptr: Callable             # the result's data pointer
+    read: Callable                   # the result's NumPy values
+    convert: Callable | None = None  # exports only: the consumer's call (imports: the protocol's JAX call)
+    minmax: Callable | None = None   # the result's (min, max), on the GPU (by JAX, or the consumer)
+    # k -> (source, context, busy): enqueues producer work that writes k everywhere and still
+    # runs on return; the call runs inside `context`; busy() says whether that work still runs.
     trial: Callable | None = None
-    sync: Callable = lambda: None
-    no_trial: str | None = None
-    note: str | None = None
-    keep: object = None
+    sync: Callable = lambda: None    # waits for all the producer's work
+    no_trial: str | None = None      # why there is no in-flight test
+    note: str | None = None          # said in the row
+    keep: object = None              # what must outlive the case (a memory pool)
 
 
 @dataclasses.dataclass
@@ -95,6 +82,57 @@ def not_applicable(reason):
     return build
 
 
+# --- the views a call gets: one protocol only --------------------------------------
+
+class CAIView:
+    """Only the CUDA Array Interface of `obj`, so a consumer that knows DLPack
+    too cannot take it instead.  `probe`, if given, runs right after `obj`'s
+    property first returns (exports: is the computation still running?)."""
+
+    def __init__(self, obj, probe=None):
+        self.obj, self.probe, self.after = obj, probe, None
+
+    @property
+    def __cuda_array_interface__(self):
+        cai = self.obj.__cuda_array_interface__
+        if self.probe is not None and self.after is None:
+            self.after = self.probe()
+        return cai
+
+
+class DLPackView:
+    """`obj`'s DLPack, offered as a legacy producer offers it (legacy=True:
+    the pre-2023 ``__dlpack__(stream=None)``, so a consumer that passes
+    ``max_version`` gets TypeError and must retry the legacy call) or passed
+    through.  Records which capsule it handed out, whether `obj` itself
+    raised, and runs `probe` like CAIView."""
+
+    def __init__(self, obj, *, legacy=False, probe=None, record=True):
+        self.obj, self.legacy, self.probe, self.record = obj, legacy, probe, record
+        self.after = self.capsule = self.producer_error = None
+        self.refused = False
+
+    def __dlpack__(self, stream=None, **kwargs):
+        if self.legacy and kwargs:
+            self.refused = True
+            raise TypeError(f"__dlpack__() got unexpected keyword arguments {sorted(kwargs)} "
+                            "(a legacy DLPack producer)")
+        try:
+            cap = self.obj.__dlpack__(stream=stream, **kwargs)
+        except Exception as e:
+            self.producer_error = e
+            raise
+        if self.record:
+            with contextlib.suppress(Exception):  # a capsule we cannot read: say nothing
+                self.capsule = "versioned" if ext.capsule_info(cap)["versioned"] else "legacy"
+        if self.probe is not None and self.after is None:
+            self.after = self.probe()
+        return cap
+
+    def __dlpack_device__(self):
+        return self.obj.__dlpack_device__()
+
+
 def _view(row, obj, *, probe=None, record=True):
     if row.protocol == "CAI":
         return CAIView(obj, probe)
@@ -106,8 +144,7 @@ def _convert(row, case):
     call time, so install() takes effect), the consumer's for exports."""
     if row.direction == "export":
         return case.convert
-    import jax
-    import jax.dlpack  # noqa: F401
+    import jax.dlpack
     import jax.numpy as jnp
     if row.protocol == "CAI":
         return lambda obj: jnp.asarray(obj)
@@ -123,23 +160,20 @@ def describe(e):
 
 
 def timed_calls(fn, args):
-    """fn(a) for each a in `args`, each call timed on its own: (results,
-    durations in ns).  Results stay alive, so none is freed inside a timed
-    call."""
+    """fn(a) for each a in `args`, each call timed on its own: (results, durations
+    in ns).  Results stay alive, so none is freed inside a timed call."""
     results, durations = [], []
     clock = time.perf_counter_ns
     for a in args:
         t0 = clock()
         r = fn(a)
-        t1 = clock()
+        durations.append(clock() - t0)
         results.append(r)
-        durations.append(t1 - t0)
     return results, durations
 
 
 def latency_us(fn, arg, calls):
-    """Median duration of `calls` single calls fn(arg) after a warm-up, in
-    microseconds."""
+    """Median of `calls` single calls fn(arg) after a warm-up, in µs."""
     for _ in range(max(5, calls // 10)):
         fn(arg)
     _, durations = timed_calls(fn, [arg] * calls)
@@ -170,15 +204,12 @@ def _in_flight(row, case, convert, n):
         except Exception as e:  # noqa: BLE001
             error = error or f"waiting for the producer: {describe(e)}"
     trials = {"n": done, "stale": stale, "in_flight": in_flight}
-    if error:
-        return False, None, trials, error
-    return stale == 0, in_flight == 0, trials, None
+    return (False, None, trials, error) if error else (stale == 0, in_flight == 0, trials, None)
 
 
 def _side(row, case, trials, calls):
     """(side record, whether the peer refused the exchange)."""
-    side = dict.fromkeys(SIDE_KEYS)
-    side["note"] = case.note
+    side = dict.fromkeys(SIDE_KEYS) | {"note": case.note}
     convert = _convert(row, case)
     view = _view(row, case.source)
     try:
@@ -244,22 +275,18 @@ def evaluate(row, n, trials, calls):
     refused = {}
     try:
         for name in ("stock", "overlay"):
-            if name == "overlay":
-                _install.install()
-            else:
-                _install.uninstall()
+            (_install.install if name == "overlay" else _install.uninstall)()
             rec[name], refused[name] = _side(row, row.build(), trials, calls)
     except Skip as e:
         rec["status"], rec["reason"] = "skipped", str(e)
-        return rec
     except NotApplicable as e:
         rec["status"], rec["reason"] = "n/a", str(e)
-        return rec
     except Exception as e:  # noqa: BLE001 - a row that cannot be set up is reported
         rec["status"], rec["reason"] = "ERROR", f"setting up the row: {describe(e)}"
-        return rec
     finally:
         _install.uninstall()
+    if rec["status"]:
+        return rec
     if refused["stock"] and refused["overlay"]:
         who = row.peer if row.direction == "import" else f"{row.peer} (the consumer)"
         rec["status"], rec["reason"] = "n/a", f"{who} refuses it: {rec['overlay']['error']}"
@@ -270,4 +297,3 @@ def evaluate(row, n, trials, calls):
         broken = _broken_promise(row.expect, rec["overlay"])
         rec["status"], rec["reason"] = ("FAILED", broken) if broken else ("ok", None)
     return rec
-

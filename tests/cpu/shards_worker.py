@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_overlay  # noqa: E402
 from jax_overlay import _runtime as rt  # noqa: E402
-from jax_overlay.doctor.producers import aligned_empty  # noqa: E402
+from jax_overlay.doctor import aligned_empty  # noqa: E402
 
 mesh = jax.make_mesh((len(jax.devices()),), ("x",))
 rows = NamedSharding(mesh, P("x"))

@@ -193,7 +193,7 @@ class Cupy:
         return x.data.ptr, x.strides
 
     def delay(self, stream, handle, ms, dev):
-        from jax_overlay.doctor.producers import spin_fill
+        from jax_overlay.doctor import spin_fill
         spin_fill(_cupy_scratch(self.cp, dev), 0.0, ms=ms, stream=stream)
 
     def copy(self, dst, src, stream):
@@ -273,7 +273,7 @@ class Torch:
         return x.data_ptr(), tuple(s * x.element_size() for s in x.stride())
 
     def delay(self, stream, handle, ms, dev):
-        from jax_overlay.doctor.producers import torch_sleep
+        from jax_overlay.doctor import torch_sleep
         torch_sleep(ms, stream)
 
     def copy(self, dst, src, stream):
@@ -362,7 +362,7 @@ class Numba:
         except ImportError:
             cp = None
         if cp is not None:
-            from jax_overlay.doctor.producers import spin_fill
+            from jax_overlay.doctor import spin_fill
             from jax_overlay.peers.cupy import PEER as _CUPY_PEER
             spin_fill(_cupy_scratch(cp, dev), 0.0, ms=ms, stream=_CUPY_PEER.stream(handle, dev))
             return
@@ -371,7 +371,7 @@ class Numba:
         except ImportError:
             raise F.Unavailable("no delay kernel", reason="numba: in flight needs CuPy or "
                                 "PyTorch for its delay kernel") from None
-        from jax_overlay.doctor.producers import torch_sleep
+        from jax_overlay.doctor import torch_sleep
         from jax_overlay.peers.torch import PEER as _TORCH_PEER
         torch_sleep(ms, _TORCH_PEER.stream(handle, dev))
 

@@ -14,7 +14,7 @@ import pytest
 
 # The kernel, the PyTorch sleep and the busy JAX computation live in the
 # package, which the doctor ships; the suite and the benchmarks share them.
-from jax_overlay.doctor.producers import (  # noqa: F401 - re-exported
+from jax_overlay.doctor import (  # noqa: F401 - re-exported
     CLOCK_HZ, JAX_N, SPIN_SRC, WithStream, cycles, jax_busy, jax_fill, seed, spin_fill, torch_sleep)
 
 

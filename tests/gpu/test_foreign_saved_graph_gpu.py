@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_overlay  # noqa: E402
 
-from jax_overlay.doctor.producers import jax_fill  # noqa: E402
+from jax_overlay.doctor import jax_fill  # noqa: E402
 from workloads import (  # noqa: E402
     counted, in_threads, jax_mlp, mlp_params, sgd, torch_mlp)
 
