@@ -22,7 +22,7 @@ import time
 import cupy as cp
 
 sys.path.insert(0, ".")
-from jax_overlay.doctor.producers import spin_fill  # noqa: E402
+from jax_overlay.doctor import spin_fill  # noqa: E402
 
 HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _done = []
