@@ -57,7 +57,8 @@
 #   bash tools/gpu_session.sh 11  issue 39's proofs after its fixes: the
 #                                 pending-import bound (CUDA's or XLA's?),
 #                                 tests/gpu -n 4 under load, bench_replay's
-#                                 experiments, more loaded host-read trials
+#                                 experiments, the GPU fuzz under load in
+#                                 what is left of the call
 #   bash tools/gpu_session.sh 4 K the long run only, from case 10^6 K, for
 #                                 about 8 minutes (K = 1, 2, ... until the
 #                                 JSONs add up to 10^5 cases or more)
@@ -192,10 +193,15 @@ case "${1:-}" in
   PYTHONPATH=$PWD:$T2J timeout 130 "$PY" benchmarks/bench_replay.py --rounds 5 --out "$O" \
     >"$O/replay-bench.log" 2>&1
   echo "replay bench exit status $?"; cat "$O/replay-bench.txt" 2>/dev/null | tail -24; tarball
-  timeout -s INT "${PROBE_TIMEOUT:-150}" "$PY" benchmarks/probe_hostread.py --load loaded \
-    --routes "overlay from_dlpack,overlay from_cai,installed from_dlpack" \
-    --trials "${TRIALS:-870}" --queue 0 --json "$O/hostread-long2.json" >"$O/hostread-long2.txt" 2>&1
-  echo "probe exit status $?" | tee -a "$O/hostread-long2.txt"; tail -6 "$O/hostread-long2.txt"
+  # What the GPU drop-in fuzz finds now, under load (its 10^5-case run is
+  # longer than a session's device time): what is left of the call.
+  "$PY" tests/gpu/load.py >"$O/load2.txt" 2>&1 & LOAD=$!
+  BUDGET=$(( 520 - SECONDS ))
+  [ "$BUDGET" -gt 40 ] && timeout $(( BUDGET + 40 )) "$PY" tools/fuzz_dropin.py --gpu --seed 20261208 \
+    --start 0 --cases 40000 --x64 both --jobs 6 --budget "$BUDGET" \
+    --json "$O/fuzz-gpu-loaded.json" >"$O/fuzz-gpu-loaded.txt" 2>&1
+  echo "gpu fuzz exit status $?" | tee -a "$O/fuzz-gpu-loaded.txt"; kill $LOAD; wait $LOAD
+  tail -30 "$O/fuzz-gpu-loaded.txt"
   ;;
 2|3|4|5|6|7)
   JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
