@@ -128,16 +128,31 @@ def torch_group():
     rep_outside = jax.jit(lambda v: clone(jax_overlay.foreign(
         _counted(fn, "foreign replay, kept results, copied outside the graph"),
         framework="torch", result_shape_dtypes=SCALAR, replay=True)(v)))
+    # The same with the native copy kernel (an FFI call XLA may not capture,
+    # no Python) as the graph's end: the candidate fix's own cost.
+    from jax_overlay import _strided
+    assert not _strided.kernel_status(jax.devices()[0])
+    fence = _strided._kernel_fn((1,), np.dtype(np.float32),
+                                _strided.kernel_plan((1,), (1,), 0, 4, 4))
+    rep_fenced = jax.jit(lambda v: fence(jax_overlay.foreign(
+        _counted(fn, "foreign replay, kept results, native copy outside the graph"),
+        framework="torch", result_shape_dtypes=SCALAR, replay=True)(v).reshape(1)).reshape(()))
+    rep_fenced_drop = jax.jit(lambda v: fence(jax_overlay.foreign(
+        _counted(fn, "foreign replay, native copy outside the graph"),
+        framework="torch", result_shape_dtypes=SCALAR, replay=True)(v).reshape(1)).reshape(()))
     arms = {"torch eager": eager, "jax": _waited(native, x), "foreign": _waited(plain, x),
             "foreign replay": _waited(rep, x), "pure_callback": _waited(pure, x),
             "foreign, kept results": _kept(plain_k, x),
             "foreign replay, kept results": _kept(rep_k, x),
             "foreign replay, kept results, sliced": _kept(rep_sliced, x),
             "foreign replay, kept results, copied outside the graph": _kept(rep_outside, x),
+            "foreign replay, kept results, native copy outside the graph": _kept(rep_fenced, x),
+            "foreign replay, native copy outside the graph": _waited(rep_fenced_drop, x),
             "foreign, 5 inputs": _waited(plain5, *xs),
             "foreign replay, 5 inputs": _waited(rep5, *xs)}
     want = float(native(x))
-    for f in (plain, rep, pure, plain_k, rep_k, rep_sliced, rep_outside):
+    for f in (plain, rep, pure, plain_k, rep_k, rep_sliced, rep_outside, rep_fenced,
+              rep_fenced_drop):
         np.testing.assert_allclose(float(f(x)), want, rtol=1e-4, atol=1e-4)
     want5 = sum(float(native(a)) for a in xs)
     for f in (plain5, rep5):
@@ -232,7 +247,10 @@ def main():
     for a, b in (("foreign, 5 inputs", "foreign"), ("foreign replay, 5 inputs", "foreign replay"),
                  ("foreign replay", "foreign"), ("foreign", "torch2jax"),
                  ("foreign replay", "torch2jax"),
-                 ("foreign replay, kept results", "foreign, kept results")):
+                 ("foreign replay, kept results", "foreign, kept results"),
+                 ("foreign replay, kept results, native copy outside the graph",
+                  "foreign, kept results"),
+                 ("foreign replay, native copy outside the graph", "foreign replay")):
         if a in samples and b in samples:
             res[f"{a} / {b}"] = harness.med(harness.ratios(samples, a, b))
     res["samples"] = samples
