@@ -31,6 +31,7 @@ writes DIR/replay-bench.txt and .json.
 from __future__ import annotations
 
 import os
+import sys
 
 import harness  # first: XLA's allocator setting, before jax loads
 
@@ -129,30 +130,40 @@ def torch_group():
         _counted(fn, "foreign replay, kept results, copied outside the graph"),
         framework="torch", result_shape_dtypes=SCALAR, replay=True)(v)))
     # The same with the native copy kernel (an FFI call XLA may not capture,
-    # no Python) as the graph's end: the candidate fix's own cost.
-    from jax_overlay import _strided
-    assert not _strided.kernel_status(jax.devices()[0])
-    fence = _strided._kernel_fn((1,), np.dtype(np.float32),
-                                _strided.kernel_plan((1,), (1,), 0, 4, 4))
-    rep_fenced = jax.jit(lambda v: fence(jax_overlay.foreign(
-        _counted(fn, "foreign replay, kept results, native copy outside the graph"),
-        framework="torch", result_shape_dtypes=SCALAR, replay=True)(v).reshape(1)).reshape(()))
-    rep_fenced_drop = jax.jit(lambda v: fence(jax_overlay.foreign(
-        _counted(fn, "foreign replay, native copy outside the graph"),
-        framework="torch", result_shape_dtypes=SCALAR, replay=True)(v).reshape(1)).reshape(()))
+    # no Python) as the graph's end: the candidate fix's own cost.  An
+    # experiment: if it fails, the group's other arms still run.
+    fenced = {}
+    try:
+        from jax_overlay import _strided
+        why = _strided.kernel_status(jax.devices()[0])
+        if why:
+            raise RuntimeError(why)
+        fence = _strided._kernel_fn((1,), np.dtype(np.float32),
+                                    _strided.kernel_plan((1,), (1,), 0, 4, 4))
+
+        def fenced_arm(name):
+            f = jax.jit(lambda v: fence(jax_overlay.foreign(
+                _counted(fn, name), framework="torch", result_shape_dtypes=SCALAR,
+                replay=True)(v).reshape(1)).reshape(()))
+            np.testing.assert_allclose(float(f(x)), float(native(x)), rtol=1e-4, atol=1e-4)
+            return f
+        fenced["foreign replay, kept results, native copy outside the graph"] = _kept(
+            fenced_arm("foreign replay, kept results, native copy outside the graph"), x)
+        fenced["foreign replay, native copy outside the graph"] = _waited(
+            fenced_arm("foreign replay, native copy outside the graph"), x)
+    except Exception as e:  # noqa: BLE001 - reported, the rest runs
+        print(f"native copy arms unavailable: {type(e).__name__}: {e}", file=sys.stderr)
     arms = {"torch eager": eager, "jax": _waited(native, x), "foreign": _waited(plain, x),
             "foreign replay": _waited(rep, x), "pure_callback": _waited(pure, x),
             "foreign, kept results": _kept(plain_k, x),
             "foreign replay, kept results": _kept(rep_k, x),
             "foreign replay, kept results, sliced": _kept(rep_sliced, x),
             "foreign replay, kept results, copied outside the graph": _kept(rep_outside, x),
-            "foreign replay, kept results, native copy outside the graph": _kept(rep_fenced, x),
-            "foreign replay, native copy outside the graph": _waited(rep_fenced_drop, x),
+            **fenced,
             "foreign, 5 inputs": _waited(plain5, *xs),
             "foreign replay, 5 inputs": _waited(rep5, *xs)}
     want = float(native(x))
-    for f in (plain, rep, pure, plain_k, rep_k, rep_sliced, rep_outside, rep_fenced,
-              rep_fenced_drop):
+    for f in (plain, rep, pure, plain_k, rep_k, rep_sliced, rep_outside):
         np.testing.assert_allclose(float(f(x)), want, rtol=1e-4, atol=1e-4)
     want5 = sum(float(native(a)) for a in xs)
     for f in (plain5, rep5):
