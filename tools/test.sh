@@ -40,7 +40,9 @@ jobs=()
 if [ "${JAX_OVERLAY_TEST_JOBS:-auto}" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
   jobs=(-n "${JAX_OVERLAY_TEST_JOBS:-auto}")
 fi
-echo "test.sh: pytest ${jobs[*]:-(one process)}: a dot per test as it ends"
+echo "test.sh: pytest ${jobs[*]:-(one process)}: a dot per test as it ends; on 2 cores about" \
+  "3 minutes (180 s measured; the drop-in fuzz slice's 60,000 cases hold one worker for" \
+  "about a minute while the other goes on), 4.5 in one process"
 "$PY" -m pytest -q -rs "${jobs[@]}" tests
 end
 
