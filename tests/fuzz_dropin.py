@@ -802,14 +802,17 @@ def summarize(r, case, produced, top=True):
                 # Live but unreadable: not the producer's values (a GPU view
                 # over memory its producer gave back, or one XLA refuses).
                 f["truth"] = False
-        if copy and r.size:
-            f["alias"] = _overlaps(_jax_ranges(r), produced.ranges)
+        if top and r.size:
+            # On a copy, aliasing is unsafe; otherwise it is compared: where
+            # stock made a new buffer, installed must too (judge).
+            _try(f, "alias" if copy else "views producer",
+                 lambda: _overlaps(_jax_ranges(r), produced.ranges))
         return f
     if isinstance(r, np.ndarray):
         f = {"type": type(r).__qualname__, "writeable": r.flags.writeable,
              **_host_fields(r, produced.truth if top else None, narrowed)}
-        if copy and r.size:
-            f["alias"] = _overlaps([byte_bounds(r)], produced.ranges)
+        if top and r.size:
+            f["alias" if copy else "views producer"] = _overlaps([byte_bounds(r)], produced.ranges)
         return f
     if type(r).__name__ == "PyCapsule":
         f = read_capsule(r, produced.ranges)
@@ -954,6 +957,13 @@ def judge(c, s, o, allow_version_minor=False):
     # against the producer above instead).
     skip = set(stock_bad)
     skip |= {k[:-len("truth")] + "values" for k in stock_bad if _category(k) == "truth"}
+    # A view where stock made a new buffer shares the producer's later
+    # writes: a difference.  The other way (a copy where stock viewed) is not.
+    skip |= {k for k in {**s.fields, **o.fields} if _category(k) == "views producer"}
+    if s.fields.get("views producer") is False:
+        counts.append("stock made a new buffer")
+        if o.fields.get("views producer") is True:
+            return Verdict(counts, "aliasing", "stock made a new buffer, installed views the producer")
     if _legacy_versioned(c, s, o):
         counts.append("allowed: " + LEGACY_JAXLIB_VERSIONED)
         skip |= {k for k in {**s.fields, **o.fields} if _category(k) in _LEGACY_FIELDS}
