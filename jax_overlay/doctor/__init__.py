@@ -75,7 +75,7 @@ def run(*, as_json=False, plain=False, trials=20, calls=200, out=None, rows=None
         (_install.install if was_installed else _install.uninstall)()
     code = 1 if any(r["status"] in FAILING for r in records) else 0
     report = {"schema": SCHEMA, "environment": env, "rows": records, "exit_code": code}
-    text = json.dumps(report, indent=2) + "\n" if as_json or json_file else None
+    text = json.dumps(report, indent=2) + "\n"
     if json_file:
         with open(json_file, "w") as f:
             f.write(text)

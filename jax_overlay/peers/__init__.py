@@ -10,52 +10,20 @@ over a CUDA stream it does not own, and its adapter for
 never a library by name.  A well-behaved producer (a CUDA Array Interface
 v3 with a stream, or ``__dlpack__``) needs no module at all.
 
-Adding a library is one module here, registered at the end of this file:
+The registry itself is ``_registry`` (it imports nothing, so a peer module
+registers itself without importing this package).  Adding a library is one
+module here, imported at the end of this file:
 docs/ARCHITECTURE.md walks through one.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
 from .. import _xla_ext as ext
 from .._vocab import KDLCUDA, KDLCUDAMANAGED
-from ._base import GENERIC, Adapter, ForeignEndpoint, Peer, ShareEndpoint
-
-REGISTRY: dict[str, Peer] = {}
-
-
-_P = TypeVar("_P", bound=Peer)
-
-
-def register(peer: _P) -> _P:
-    """Adds `peer` under its name; one peer per name."""
-    if peer.name in REGISTRY:
-        raise ValueError(f"a peer named {peer.name!r} is registered already")
-    REGISTRY[peer.name] = peer
-    _BY_TYPE.clear()
-    return peer
-
-
-# Per type: its peer, or None (a producer no module describes).  The common
-# types are looked up once.
-_BY_TYPE: dict[type, Peer | None] = {}
-
-
-def peer_of(t: type) -> Peer | None:
-    """The peer whose rule recognises type `t`, or None."""
-    try:
-        return _BY_TYPE[t]
-    except KeyError:
-        pass
-    found = None
-    for peer in REGISTRY.values():
-        if peer.owns(t):
-            found = peer
-            break
-    _BY_TYPE[t] = found
-    return found
-
+from ._base import GENERIC, Adapter, ForeignEndpoint, Peer, ShareEndpoint, where
+from ._registry import REGISTRY, peer_of, register
 
 def resolve(obj: Any, copy: bool | None) -> tuple[Any, bool]:
     """(obj, copied): `obj` with what its library leaves lazy resolved (a
@@ -97,12 +65,6 @@ def share_frameworks() -> tuple[str, ...]:
 def share_peer(framework: str) -> Any:
     """The peer of ``open_shared(framework=...)`` (a ShareEndpoint)."""
     return having(ShareEndpoint)[framework]
-
-
-def where(place: str) -> str:
-    """The frameworks that run on `place` ("cpu" or "gpu"), for messages."""
-    names = [repr(n) for n, p in having(ForeignEndpoint).items() if p.runs_on in (place, None)]
-    return " or ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def with_autograd() -> str:

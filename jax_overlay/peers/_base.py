@@ -14,6 +14,7 @@ import numpy as np
 from .. import _xla_ext as ext
 from .._vocab import KDLCPU, KDLCUDA, KDLCUDAHOST
 from ..errors import ForeignError
+from ._registry import REGISTRY
 
 # A peer's cai_reader() answer: no rule of its own, the generic one decides
 # (the producer's own CAI when it is v3 with a stream and it also has
@@ -287,6 +288,12 @@ def relaxed_capture():
         ext.exchange_capture_mode(previous)
 
 
+def where(place: str) -> str:
+    """The frameworks that run on `place` ("cpu" or "gpu"), for messages."""
+    names = [repr(n) for n, p in REGISTRY.items()
+             if isinstance(p, ForeignEndpoint) and p.runs_on in (place, None)]
+    return " or ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def _cpu_names():
-    from . import where
     return where("cpu")

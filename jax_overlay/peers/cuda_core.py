@@ -10,7 +10,7 @@ is written).  It offers no ``foreign()`` adapter and no share endpoint."""
 
 from __future__ import annotations
 
-from . import register
+from ._registry import register
 from ._base import Peer
 
 _TYPES = frozenset({"StridedMemoryView", "Buffer"})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 
 from .._vocab import KDLCUDA
-from . import register
+from ._registry import register
 from ._base import ForeignEndpoint, GpuAdapter, Peer, ShareEndpoint, relaxed_capture
 
 

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from .. import _xla_ext as ext
-from . import register
+from ._registry import register
 from ._base import ForeignEndpoint, GpuAdapter, Peer, relaxed_capture
 
 _LEGACY, _PER_THREAD = 1, 2  # the CUDA driver's stream handles

@@ -14,8 +14,8 @@ import numpy as np
 
 from .._vocab import KDLCPU
 from ..errors import ForeignError
-from . import register
-from ._base import Adapter, ForeignEndpoint, Peer, mismatch
+from ._registry import register
+from ._base import Adapter, ForeignEndpoint, Peer, mismatch, where
 
 
 class NumPy(Peer, ForeignEndpoint):
@@ -44,7 +44,6 @@ class Foreign(Adapter):
     def ordinal(self, buffers):
         for b in buffers:
             if b.__dlpack_device__()[0] != KDLCPU:
-                from . import where
                 raise ForeignError(
                     "framework='numpy' runs on host buffers, and this computation runs on a "
                     f"GPU ({b.__dlpack_device__()}); use framework={where('gpu')} "

@@ -23,7 +23,7 @@ from .. import _xla_ext as ext
 from .._config import config
 from .._vocab import KDLCPU
 from ..errors import ForeignError, JaxRuntimeError, LayoutCopyRequiredError, like_stock
-from . import register
+from ._registry import register
 from ._base import ForeignEndpoint, GpuAdapter, Peer, ShareEndpoint, token
 
 

@@ -28,6 +28,10 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
+# The native module, by its stub (built or not): a leaf.
+NATIVE = {f"jax_overlay.{p.name.split('.')[0]}" for p in PACKAGE.glob("*.pyi")}
+
+
 def _imports(name: str, path: pathlib.Path, known) -> set[str]:
     """The package's modules `name` imports anywhere in its file."""
     is_package = path.name == "__init__.py"
@@ -42,13 +46,18 @@ def _imports(name: str, path: pathlib.Path, known) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            # `from P import a`: the module P.a where there is one, else a
+            # name P's own file defines (an arrow to P, even for a parent).
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known or f"{mod}.{a.name}" in NATIVE else mod
+                       for a in node.names]
         else:
             continue
         for t in targets:
+            if t in NATIVE:
+                continue  # the native module imports none of ours
             while t and t not in known:  # a name inside a module: the module
                 t = t.rpartition(".")[0]
-            if t and t != name and not name.startswith(t + "."):  # parents load anyway
+            if t and t != name:
                 found.add(t)
     return found
 
@@ -112,3 +121,16 @@ def test_peers_import_no_feature():
     for name, targets in g.items():
         if name.startswith("jax_overlay.peers"):
             assert not targets & FEATURES, (name, targets & FEATURES)
+
+
+def test_a_name_from_the_parent_package_is_an_arrow_to_it(tmp_path):
+    """`from . import register` in a child reads a name of the package's own
+    file, which imports the child: a circle (the peers' registry was one)."""
+    (tmp_path / "pkg").mkdir()
+    init, child = tmp_path / "pkg" / "__init__.py", tmp_path / "pkg" / "child.py"
+    init.write_text("from . import child\n")
+    child.write_text("from . import register\nfrom . import child as me\n")
+    known = {"pkg": init, "pkg.child": child}
+    g = {"pkg": _imports("pkg", init, known), "pkg.child": _imports("pkg.child", child, known)}
+    assert g == {"pkg": {"pkg.child"}, "pkg.child": {"pkg"}}
+    assert circles(g) == [["pkg", "pkg.child"]]
