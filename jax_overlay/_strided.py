@@ -225,3 +225,40 @@ def _copy(route, fn, envelope, itemsize):
     # compact copy as JAX does, afterwards.
     with rt.x64(True):
         return fn(envelope)
+
+
+def graph_fence(x):
+    """`x` copied by our kernel where XLA runs on CUDA, else `x` itself.
+
+    The kernel's FFI call declares no command-buffer trait, so XLA never
+    puts it in a CUDA graph: a graph that ends before it writes only XLA
+    temporaries, whose addresses repeat from call to call, and stays valid
+    when the caller keeps every result (each a new allocation).  A replayed
+    foreign call's outputs go through it (_foreign), so that kept results
+    do not make XLA trace fn again on every call."""
+    dtype = np.dtype(x.dtype)
+    n = math.prod(x.shape)
+    plan = kernel_plan((n,), (1,), 0, dtype.itemsize, dtype.itemsize) if n else None
+    if plan is None or dtype.kind not in _KERNEL_KINDS or dtype.name in _SUB_BYTE:
+        return x
+    try:
+        devices = rt.gpu_backend().local_devices()
+    except Exception:  # noqa: BLE001 - no CUDA backend: nothing is captured
+        return x
+    if any(kernel_status(d) for d in devices):
+        return x  # no usable kernel: no fence (replay then traces per address)
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((n,), dtype))
+    attr = np.asarray(plan, np.int64)
+
+    @jax.custom_batching.custom_vmap
+    def fence(v):
+        return lax.platform_dependent(
+            v, cuda=lambda u: call(u.reshape(n), plan=attr).reshape(u.shape),
+            default=lambda u: u)
+
+    @fence.def_vmap
+    def _batched(axis_size, in_batched, v):
+        # A batched copy is the same copy of the whole batch.
+        return graph_fence(v), in_batched[0]
+
+    return fence(x)

@@ -179,9 +179,14 @@ case "${1:-}" in
   timeout 60 "$PY" benchmarks/probe_hostfunc_bound.py --json "$O/hostfunc-bound.json" \
     >"$O/hostfunc-bound.txt" 2>&1
   echo "hostfunc probe exit status $?" >>"$O/hostfunc-bound.txt"; cat "$O/hostfunc-bound.txt"; tarball
+  # Replay with kept results (issue 40), each case in its own process.
+  timeout -s INT -k 10 150 "$PY" -m pytest -q -rfs -p no:cacheprovider -s \
+    tests/gpu/test_foreign_replay_gpu.py -k "inflight or kept or pool_keeps or training or memory" \
+    >"$O/replay-tests.txt" 2>&1
+  echo "replay tests exit status $?" >>"$O/replay-tests.txt"; tail -12 "$O/replay-tests.txt"; tarball
   "$PY" tests/gpu/load.py >"$O/load.txt" 2>&1 & LOAD=$!
   for _ in $(seq 120); do grep -q ready "$O/load.txt" && break; sleep 0.5; done
-  JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 15 "${SUITE_TIMEOUT:-200}" "$PY" -m pytest -n 4 -q -rfs \
+  JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 15 "${SUITE_TIMEOUT:-190}" "$PY" -m pytest -n 4 -q -rfs \
     -p no:cacheprovider --durations=10 tests/gpu --ignore=tests/gpu/test_fuzz_dropin_gpu.py \
     --ignore=tests/gpu/test_foreign_replay_gpu.py --ignore=tests/gpu/test_foreign_saved_graph_gpu.py \
     >"$O/suite-n4-loaded.txt" 2>&1

@@ -145,6 +145,23 @@ def case_torch_unpooled():
     return _allocating("torch", False)
 
 
+def case_kept():
+    """1,000 calls whose results are all kept (each a new allocation): the
+    graph ends before them (_strided.graph_fence), so fn is traced once
+    and every result is right; then the same with a fresh input each call."""
+    import torch
+    fn, runs = counted(lambda x: torch.nn.functional.gelu(x) * 2)
+    f = jax.jit(jax_overlay.foreign(fn, framework="torch", replay=True,
+                                    result_shape_dtypes=lambda x: x))
+    x = jnp.linspace(-1, 1, 1024, dtype=jnp.float32)
+    want = np.asarray(jax.nn.gelu(x, approximate=False)) * 2
+    kept = [f(x) for _ in range(CALLS)]
+    wrong = sum(not np.allclose(np.asarray(k), want, rtol=1e-5, atol=1e-6) for k in kept)
+    kept_runs = len(runs)
+    return {"calls": CALLS, "wrong": wrong, "python_runs": kept_runs,
+            "distinct_outputs": len({k.unsafe_buffer_pointer() for k in kept})}
+
+
 def case_cupy_pooled():
     return _allocating("cupy", True)
 
