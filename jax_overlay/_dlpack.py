@@ -20,7 +20,7 @@ import numpy as np
 from . import _runtime as rt
 from . import _view
 from . import _xla_ext as ext
-from ._vocab import GPU_ALIGNMENT, KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED, NUMPY_DTYPES
+from ._vocab import KDLCPU, KDLCUDA, KDLCUDAHOST, KDLCUDAMANAGED, NUMPY_DTYPES, view_alignment
 from .errors import CopyRequiredError, JaxRuntimeError, like_stock
 
 if TYPE_CHECKING:
@@ -595,11 +595,13 @@ def import_dlpack(x, *, copy=None, advertised=None, host_device=None, resolve=No
         return _empty(view.shape, dtype, dl_type, dl_id, host_device), copied
     if dl_type == KDLCUDA or dl_type == KDLCUDAMANAGED:
         # Device or managed memory: both are device memory to JAX.
-        device, jax_type, alignment = _gpu_target(dl_id)[0], KDLCUDA, GPU_ALIGNMENT
+        device, jax_type = _gpu_target(dl_id)[0], KDLCUDA
     elif dl_type == KDLCUDAHOST:
-        device, jax_type, alignment = rt.gpu_device(dl_id), KDLCUDAHOST, 1
+        device, jax_type = rt.gpu_device(dl_id), KDLCUDAHOST
     else:
-        device, jax_type, alignment = host_device or rt.cpu_device(dl_id) or rt.host_device(), KDLCPU, 1
+        device, jax_type = host_device or rt.cpu_device(dl_id) or rt.host_device(), KDLCPU
+    # On the host jaxlib copies unaligned memory itself, as stock does: no rule.
+    alignment = 1 if jax_type == KDLCPU else view_alignment(jax_type)
     if view.layout != "strided" and view.data % alignment == 0:
         # On the host jaxlib copies unaligned memory itself unless told not to.
         jax_copy = False if copy is False and jax_type != KDLCUDA else None

@@ -21,6 +21,8 @@ KDLCUDAMANAGED: int = ext.DL_CUDA_MANAGED
 # 64-byte aligned data).  Pinned host memory is moved by DMA: no rule.
 GPU_ALIGNMENT: int = ext.GPU_ALIGNMENT
 HOST_ALIGNMENT: int = ext.HOST_ALIGNMENT
+# The rule by DLPack device type, as the CAI import applies it natively.
+view_alignment = ext.view_alignment
 
 # NumPy's own dtypes: the ones both protocols name by a type string
 # (ml_dtypes' float8 types also call themselves 'f').

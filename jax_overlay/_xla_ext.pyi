@@ -175,6 +175,8 @@ FLAG_READ_ONLY: int
 FLAG_IS_COPIED: int
 TESTING: bool
 GPU_ALIGNMENT: int
+
+def view_alignment(dl_device_type: int) -> int: ...
 HOST_ALIGNMENT: int
 DL_CPU: int
 DL_CUDA: int

@@ -35,7 +35,7 @@ bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
   if (host) {
     out->dl_device_type = dl::kCPU;
     out->ordinal = 0;
-    out->alignment = kHostAlignment;
+    out->alignment = ViewAlignment(dl::kCPU);
   } else {
     cuda::PointerInfo info;
     if (!cuda::QueryPointer(v.data, &info, err)) return false;
@@ -55,8 +55,7 @@ bool PlanCaiImport(PyObject* cai, PyObject* owner, bool host, ImportPlan* out,
     out->dl_device_type = pinned ? dl::kCUDAHost : dl::kCUDA;
     out->ordinal = info.ordinal;
     out->range_start = info.range_start;
-    // Pinned host arrays are only moved by DMA, which has no alignment need.
-    out->alignment = pinned ? 1 : kGpuAlignment;
+    out->alignment = ViewAlignment(out->dl_device_type);
     // A CAI with no stream (v2, or None) promises written data, but a
     // synchronous copy keeps that promise only on the legacy default stream:
     // cuMemcpyHtoD from pageable memory returns before its DMA lands, and

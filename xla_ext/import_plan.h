@@ -8,6 +8,7 @@
 #include <Python.h>
 
 #include "cai.h"
+#include "dlpack_abi.h"
 #include "cuda_driver.h"
 #include "error.h"
 
@@ -19,6 +20,20 @@ constexpr uintptr_t kGpuAlignment = 16;
 // (jaxlib 0.12 refuses 16- and 32-byte aligned ones: "Can't create a view of
 // buffer with unaligned data"; tests/cpu/test_native_table.py checks it).
 constexpr uintptr_t kHostAlignment = 64;
+
+// What a zero-copy view of memory of DLPack device type `dl_device_type`
+// needs of its pointer: the one rule both imports apply (bound as
+// view_alignment).  Pinned host memory is moved by DMA: no rule.
+inline uintptr_t ViewAlignment(int dl_device_type) {
+  switch (dl_device_type) {
+    case dl::kCPU:
+      return kHostAlignment;
+    case dl::kCUDAHost:
+      return 1;
+    default:  // kDLCUDA, kDLCUDAManaged: device memory to XLA
+      return kGpuAlignment;
+  }
+}
 
 struct ImportPlan {
   ArrayView view;

@@ -743,6 +743,9 @@ PYBIND11_MODULE(_xla_ext, m) {
   m.attr("DL_CUDA_MANAGED") = static_cast<int>(dl::kCUDAManaged);
   m.attr("GPU_ALIGNMENT") = kGpuAlignment;
   m.attr("HOST_ALIGNMENT") = kHostAlignment;
+  m.def("view_alignment", &ViewAlignment, py::arg("dl_device_type"),
+        "What a zero-copy view of memory of this DLPack device type needs of "
+        "its pointer (both imports' one rule).");
   m.attr("HANDLE_POSIX_FD") = ipc::kHandlePosixFd;
   // capture_status's "not capturing", and exchange_capture_mode's relaxed
   // mode: the driver's values, named once (cuda_driver.h).

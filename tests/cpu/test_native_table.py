@@ -45,3 +45,12 @@ def test_host_alignment_is_the_running_jaxlibs():
     assert view(0).unsafe_buffer_pointer() == buf.ctypes.data + start
     with pytest.raises(Exception, match="align"):
         view(_vocab.HOST_ALIGNMENT // 2)
+
+
+def test_one_alignment_rule_per_memory_kind():
+    """Both imports' rule (xla_ext's ViewAlignment): the CAI plan applies it
+    natively, the DLPack import through _vocab.view_alignment."""
+    rule = {t: _vocab.view_alignment(t) for t in (_vocab.KDLCPU, _vocab.KDLCUDA,
+                                                  _vocab.KDLCUDAHOST, _vocab.KDLCUDAMANAGED)}
+    assert rule == {_vocab.KDLCPU: _vocab.HOST_ALIGNMENT, _vocab.KDLCUDA: _vocab.GPU_ALIGNMENT,
+                    _vocab.KDLCUDAHOST: 1, _vocab.KDLCUDAMANAGED: _vocab.GPU_ALIGNMENT}
