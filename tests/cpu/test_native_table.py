@@ -6,6 +6,7 @@ from jax._src import dlpack as stock_dlpack
 from jax._src.lib import _jax
 
 from jax_overlay import _runtime as rt
+from jax_overlay import _vocab
 
 
 def test_pinned_views_where_jaxlib_takes_a_device_type():
