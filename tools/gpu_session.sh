@@ -176,14 +176,6 @@ case "${1:-}" in
   export PYTHONPATH=$PWD
   "$PY" -c "import jax_overlay._xla_ext" 2>"$O/build.log" || JAX_OVERLAY_TESTING=1 \
     "$PY" setup.py -q build_ext --inplace >>"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
-  timeout 60 "$PY" benchmarks/probe_hostfunc_bound.py --json "$O/hostfunc-bound.json" \
-    >"$O/hostfunc-bound.txt" 2>&1
-  echo "hostfunc probe exit status $?" >>"$O/hostfunc-bound.txt"; cat "$O/hostfunc-bound.txt"; tarball
-  # Replay with kept results (issue 40), each case in its own process.
-  timeout -s INT -k 10 150 "$PY" -m pytest -q -rfs -p no:cacheprovider -s \
-    tests/gpu/test_foreign_replay_gpu.py -k "inflight or kept or pool_keeps or training or memory" \
-    >"$O/replay-tests.txt" 2>&1
-  echo "replay tests exit status $?" >>"$O/replay-tests.txt"; tail -12 "$O/replay-tests.txt"; tarball
   "$PY" tests/gpu/load.py >"$O/load.txt" 2>&1 & LOAD=$!
   for _ in $(seq 120); do grep -q ready "$O/load.txt" && break; sleep 0.5; done
   JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 15 "${SUITE_TIMEOUT:-190}" "$PY" -m pytest -n 4 -q -rfs \
@@ -193,6 +185,14 @@ case "${1:-}" in
   echo "suite exit status $?" >>"$O/suite-n4-loaded.txt"
   kill $LOAD; wait $LOAD; tarball
   grep -E "^(FAILED|ERROR)|passed|failed" "$O/suite-n4-loaded.txt" | cut -c1-240 | tail -25
+  # Replay with kept results (issue 40), each case in its own process.
+  timeout -s INT -k 10 150 "$PY" -m pytest -q -rfs -p no:cacheprovider -s \
+    tests/gpu/test_foreign_replay_gpu.py -k "inflight or kept or pool_keeps or training or memory" \
+    >"$O/replay-tests.txt" 2>&1
+  echo "replay tests exit status $?" >>"$O/replay-tests.txt"; tail -12 "$O/replay-tests.txt"; tarball
+  timeout 60 "$PY" benchmarks/probe_hostfunc_bound.py --json "$O/hostfunc-bound.json" \
+    >"$O/hostfunc-bound.txt" 2>&1
+  echo "hostfunc probe exit status $?" >>"$O/hostfunc-bound.txt"; cat "$O/hostfunc-bound.txt"; tarball
   T2J=$(mktemp -d)
   "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
   PYTHONPATH=$PWD:$T2J timeout 130 "$PY" benchmarks/bench_replay.py --rounds 5 --out "$O" \
