@@ -185,6 +185,9 @@ case "${1:-}" in
   echo "suite exit status $?" >>"$O/suite-n4-loaded.txt"
   kill $LOAD; wait $LOAD; tarball
   grep -E "^(FAILED|ERROR)|passed|failed" "$O/suite-n4-loaded.txt" | cut -c1-240 | tail -25
+  timeout 60 "$PY" benchmarks/probe_resync_parts.py --json "$O/resync-parts.json" \
+    >"$O/resync-parts.txt" 2>&1
+  echo "resync parts exit status $?" >>"$O/resync-parts.txt"; tail -40 "$O/resync-parts.txt"; tarball
   # Replay with kept results (issue 40), each case in its own process.
   timeout -s INT -k 10 150 "$PY" -m pytest -q -rfs -p no:cacheprovider -s \
     tests/gpu/test_foreign_replay_gpu.py -k "inflight or kept or pool_keeps or training or memory" \
