@@ -176,6 +176,10 @@ case "${1:-}" in
   export PYTHONPATH=$PWD
   "$PY" -c "import jax_overlay._xla_ext" 2>"$O/build.log" || JAX_OVERLAY_TESTING=1 \
     "$PY" setup.py -q build_ext --inplace >>"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
+  # Replay with kept results first (issue 40's fix, in its own process).
+  timeout -s INT -k 10 90 "$PY" -m pytest -q -rfs -p no:cacheprovider -s \
+    tests/gpu/test_foreign_replay_gpu.py -k kept >"$O/replay-kept-test.txt" 2>&1
+  echo "replay kept test exit status $?" >>"$O/replay-kept-test.txt"; tail -8 "$O/replay-kept-test.txt"; tarball
   "$PY" tests/gpu/load.py >"$O/load.txt" 2>&1 & LOAD=$!
   for _ in $(seq 120); do grep -q ready "$O/load.txt" && break; sleep 0.5; done
   JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 15 "${SUITE_TIMEOUT:-190}" "$PY" -m pytest -n 4 -q -rfs \
@@ -190,7 +194,7 @@ case "${1:-}" in
   echo "resync parts exit status $?" >>"$O/resync-parts.txt"; tail -40 "$O/resync-parts.txt"; tarball
   # Replay with kept results (issue 40), each case in its own process.
   timeout -s INT -k 10 150 "$PY" -m pytest -q -rfs -p no:cacheprovider -s \
-    tests/gpu/test_foreign_replay_gpu.py -k "inflight or kept or pool_keeps or training or memory" \
+    tests/gpu/test_foreign_replay_gpu.py -k "inflight or pool_keeps or training or memory" \
     >"$O/replay-tests.txt" 2>&1
   echo "replay tests exit status $?" >>"$O/replay-tests.txt"; tail -12 "$O/replay-tests.txt"; tarball
   timeout 60 "$PY" benchmarks/probe_hostfunc_bound.py --json "$O/hostfunc-bound.json" \
