@@ -36,7 +36,6 @@ import jax
 import numpy as np
 
 from . import _runtime as rt
-from . import _strided
 from . import _xla_ext as ext
 from . import peers
 from .peers._base import buffer_facts
@@ -419,13 +418,6 @@ def _caller(fn, framework, result_shape_dtypes, vmap_method, out, input_output_a
             flat = _compiled(in_tree, (out_tree, tuple(out_leaves)), aliases)(*in_leaves)
         except Exception as e:
             raise _explained(e, fn) from e
-        if replay:
-            # XLA keys fn's trace on its buffers' addresses: a result kept
-            # by the caller is a new allocation each call, which would make
-            # XLA trace fn again every time.  Copied out by a call XLA does
-            # not capture, the graph's outputs are temporaries whose
-            # addresses repeat (_strided.graph_fence).
-            flat = [_strided.graph_fence(x) for x in flat]
         return jax.tree_util.tree_unflatten(out_tree, flat)
     return call
 
