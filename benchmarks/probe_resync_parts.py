@@ -56,10 +56,10 @@ def instrument():
     _pack.packer, _pack.unpacker = packer_timed, unpacker_timed
 
 
-def _clock(label, f, *a):
+def _clock(label, f, *a, **k):
     t = time.perf_counter()
     try:
-        return f(*a)
+        return f(*a, **k)
     finally:
         PARTS[label].append(time.perf_counter() - t)
 

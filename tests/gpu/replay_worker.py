@@ -146,9 +146,8 @@ def case_torch_unpooled():
 
 
 def case_kept():
-    """1,000 calls whose results are all kept (each a new allocation): the
-    graph ends before them (_strided.graph_fence), so fn is traced once
-    and every result is right; then the same with a fresh input each call."""
+    """1,000 calls whose results are all kept (each a new allocation): how
+    often fn is traced, and every result right."""
     import torch
     fn, runs = counted(lambda x: torch.nn.functional.gelu(x) * 2)
     f = jax.jit(jax_overlay.foreign(fn, framework="torch", replay=True,
