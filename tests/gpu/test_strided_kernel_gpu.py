@@ -191,6 +191,9 @@ def test_kernel_alone_on_a_cupy_stream():
     plan = _strided.kernel_plan(v.shape, (-36, 3), 63 * 18 + 1, 4, 4)
     out = cp.zeros(v.shape, cp.float32)
     s = cp.cuda.Stream(non_blocking=True)
+    # `a` and `out` are written on the legacy stream, which a non-blocking
+    # stream does not wait for (under load the zeros landed after the copy).
+    cp.cuda.Device().synchronize()
     from jax_overlay import _xla_ext as ext
     ext.launch_strided_copy(plan, a.size, out.data.ptr, a.data.ptr, s.ptr)
     s.synchronize()
