@@ -73,6 +73,10 @@ W=$(ls build/wheels/numpy-*.whl 2>/dev/null | head -1)
 # still brings back what it had finished.
 tarball() { tar -czf "${OUT:-.}/all.tgz.tmp" -C "$O" . && mv "${OUT:-.}/all.tgz.tmp" "${OUT:-.}/all.tgz"; }
 trap tarball EXIT
+# torch2jax (the replay and foreign benchmarks' peer), installed from the
+# carried wheel into a directory of its own: its path.
+torch2jax() { local d; d=$(mktemp -d)
+  "$PY" -m pip install -q --no-deps --no-index --target "$d" build/wheels/wrap_torch2jax-*.whl; echo "$d"; }
 case "${1:-}" in
 1)
   # The GPU fuzz slice runs in step 4 and the interprocess suite (2 minutes) in
@@ -138,8 +142,7 @@ case "${1:-}" in
     >"$O/resync.txt" 2>&1
   echo "resync exit status $?" >>"$O/resync.txt"; cat "$O/resync.txt"; tarball
   # Issue 40's churn row: replay with kept results (torch2jax from build/wheels).
-  T2J=$(mktemp -d)
-  "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
+  T2J=$(torch2jax)
   PYTHONPATH=$PWD:$T2J timeout 150 "$PY" benchmarks/bench_replay.py --rounds 7 --out "$O" \
     >"$O/replay-bench.log" 2>&1
   echo "replay bench exit status $?"; cat "$O/replay-bench.txt" 2>/dev/null || tail -20 "$O/replay-bench.log"
@@ -200,8 +203,7 @@ case "${1:-}" in
   timeout 60 "$PY" benchmarks/probe_hostfunc_bound.py --json "$O/hostfunc-bound.json" \
     >"$O/hostfunc-bound.txt" 2>&1
   echo "hostfunc probe exit status $?" >>"$O/hostfunc-bound.txt"; cat "$O/hostfunc-bound.txt"; tarball
-  T2J=$(mktemp -d)
-  "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
+  T2J=$(torch2jax)
   PYTHONPATH=$PWD:$T2J timeout 130 "$PY" benchmarks/bench_replay.py --rounds 5 --out "$O" \
     >"$O/replay-bench.log" 2>&1
   echo "replay bench exit status $?"; cat "$O/replay-bench.txt" 2>/dev/null | tail -24; tarball
@@ -231,8 +233,7 @@ case "${1:-}" in
   done
   ;;
 3)
-  T2J=$(mktemp -d)
-  "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
+  T2J=$(torch2jax)
   for pre in false true; do
     for n in 1024 67108864; do
       # The large op also pipelined: its device time per call beside its latency.
@@ -301,9 +302,8 @@ case "${1:-}" in
   echo "large train step bench exit status $?"; grep -v Warning "$O/train-step.log" | tail -20
   ;;
 7)
-  NP=$(mktemp -d); T2J=$(mktemp -d)
+  NP=$(mktemp -d); T2J=$(torch2jax)
   [ -n "$W" ] && "$PY" -m pip install -q --no-deps --no-index --target "$NP" "$W"
-  "$PY" -m pip install -q --no-deps --no-index --target "$T2J" build/wheels/wrap_torch2jax-*.whl
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/replay-tests.txt"
   PYTHONPATH=$NP:$PWD timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs -s \
     tests/gpu/test_foreign_replay_gpu.py tests/cpu/test_foreign_replay.py >>"$O/replay-tests.txt" 2>&1
