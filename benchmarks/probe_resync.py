@@ -15,8 +15,15 @@ reduction over a slice of each, synchronized):
              no host-side step per array)
   torch.mp   PyTorch tensors, the same 200 sent again through a
              torch.multiprocessing queue (CUDA IPC, cached by the receiver)
+  channel    jax_overlay.channel(tree), made and opened once: ch.send(tree)
+             each step, rx.recv() in the rollout (one jitted pack, one
+             device copy into the channel's slot, an event and a 12-byte
+             message; one jitted unpack there)
 and a jax-free control call per round (the host's drift).  The trainer's
-host-side calls are timed apart: share(tree) and share(tree, pack=True).
+host-side calls are timed apart: share(tree), share(tree, pack=True) and
+ch.send(tree); and for the channel, the time from the trainer's call to
+the rollout's arrays (recv() returned, before the read; both processes
+read one clock, CLOCK_MONOTONIC).
 """
 
 from __future__ import annotations
@@ -39,13 +46,22 @@ def receiver(conn, torch_queue):
 
     import jax_overlay
     read = jax.jit(lambda leaves: jnp.sum(jnp.stack([x[:8] for x in leaves])))
+    rx = None
     while True:
         msg = conn.recv()
         if msg is None:
             return
         kind, payload = msg
         t0 = time.perf_counter()
-        if kind in ("share", "pack"):
+        if kind == "open channel":
+            rx = jax_overlay.open_channel(payload)
+        elif kind == "channel":
+            tree = rx.recv()
+            arrays = time.perf_counter()
+            float(read(tree))
+            conn.send((time.perf_counter() - t0, arrays))
+            continue
+        elif kind in ("share", "pack"):
             float(read(jax_overlay.open_shared(payload)))
         else:
             import torch
@@ -78,11 +94,22 @@ def main():
     conn, child = ctx.Pipe()
     p = ctx.Process(target=receiver, args=(child, q), daemon=True)
     p.start()
-    parts: dict[str, list] = {"share(tree)": [], "share(tree, pack=True)": []}
+    parts: dict[str, list] = {"share(tree)": [], "share(tree, pack=True)": [], "ch.send(tree)": [],
+                              "channel: call to arrays": []}
     keep = []
+    ch = jax_overlay.channel(params)
+    conn.send(("open channel", ch.name))
+    conn.recv()
 
     def run(kind):
         t0 = time.perf_counter()
+        if kind == "channel":
+            ch.send(params)
+            parts["ch.send(tree)"].append(time.perf_counter() - t0)
+            conn.send((kind, None))
+            _, arrays = conn.recv()
+            parts["channel: call to arrays"].append(arrays - t0)
+            return time.perf_counter() - t0
         if kind in ("share", "pack"):
             h = jax_overlay.share(params, pack=kind == "pack")
             parts["share(tree, pack=True)" if kind == "pack" else "share(tree)"].append(
@@ -97,7 +124,7 @@ def main():
         keep[:] = [h]  # released at the next step's, as a trainer would
         return total
 
-    kinds = ("share", "pack", "torch.mp")
+    kinds = ("share", "pack", "torch.mp", "channel")
     for k in kinds:
         run(k)
         run(k)
@@ -113,7 +140,7 @@ def main():
     p.join(30)
     med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
     ratios = {f"torch.mp/{k}": statistics.median(t / s for t, s in zip(rows["torch.mp"], rows[k]))
-              for k in ("share", "pack")}
+              for k in ("share", "pack", "channel")}
     part_med = {k: statistics.median(v[2:]) * 1e3 for k, v in parts.items()}
     import subprocess
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],

@@ -8,6 +8,8 @@
     x = jax_overlay.from_shards([t0, t1], sharding)  # per-device import
     h = jax_overlay.share(params)   # picklable; in another process:
     params = jax_overlay.open_shared(h)          # zero-copy, same GPU
+    ch = jax_overlay.channel(params); ch.send(params)  # a re-sync every step;
+    rx = jax_overlay.open_channel(ch.name); params = rx.recv()   # there
     f = jax_overlay.foreign(torch_fn, framework="torch", result_shape_dtypes=...)
 """
 
@@ -23,7 +25,9 @@ from ._route import from_cuda_array_interface, from_dlpack
 from ._install import install, installed, uninstall
 from ._shards import Shard, from_shards, to_shards
 from ._ipc import Share, open_shared, share
+from ._channel import Channel, ChannelName, Receiver, channel, open_channel
 
-__all__ = ["CopyRequiredError", "ForeignError", "Shard", "config", "cuda_array_interface", "errors",
+__all__ = ["Channel", "ChannelName", "CopyRequiredError", "ForeignError", "Receiver", "Shard",
+           "channel", "config", "cuda_array_interface", "errors",
            "foreign", "foreign_stream", "from_cuda_array_interface", "from_dlpack", "from_shards", "install",
-           "installed", "open_shared", "share", "Share", "to_dlpack", "to_shards", "uninstall"]
+           "installed", "open_channel", "open_shared", "share", "Share", "to_dlpack", "to_shards", "uninstall"]

@@ -60,22 +60,52 @@ def _from_bytes(b, shape, dtype):
     return jax.lax.bitcast_convert_type(b.reshape(-1, dtype.itemsize), dtype).reshape(shape)
 
 
+def _packed(leaves, spec, total):
+    parts, end = [], 0
+    for x, (off, _, _) in zip(leaves, spec):
+        if off > end:
+            parts.append(jnp.zeros((off - end,), jnp.uint8))
+        b = _as_bytes(x)
+        parts.append(b)
+        end = off + b.shape[0]
+    if total > end:
+        parts.append(jnp.zeros((total - end,), jnp.uint8))
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+
+
 @functools.lru_cache(maxsize=64)
 def packer(spec: tuple, total: int):
     """One jitted call: the leaves of `spec` -> uint8[total]."""
+    return jax.jit(functools.partial(_packed, spec=spec, total=total))
 
-    def pack(leaves):
-        parts, end = [], 0
-        for x, (off, _, _) in zip(leaves, spec):
-            if off > end:
-                parts.append(jnp.zeros((off - end,), jnp.uint8))
-            b = _as_bytes(x)
-            parts.append(b)
-            end = off + b.shape[0]
-        if total > end:
-            parts.append(jnp.zeros((total - end,), jnp.uint8))
-        return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+
+def tree_packer(treedef, spec: tuple, total: int):
+    """One jitted call: a pytree of `treedef` whose leaves are those of
+    `spec` -> uint8[total].  Another structure, shape or dtype is refused
+    where jit traces it (a ValueError naming the leaf), so a tree that
+    matches costs the host no check beyond jit's own cache lookup."""
+
+    def pack(tree):
+        with_path, got = jax.tree_util.tree_flatten_with_path(tree)
+        if got != treedef:
+            raise ValueError(f"this tree's structure is {got}, not the channel's {treedef}: "
+                             "send trees of the structure the channel was made with")
+        for (path, x), (_, shape, name) in zip(with_path, spec):
+            if tuple(x.shape) != shape or jnp.dtype(x.dtype).name != name:
+                raise ValueError(
+                    f"{jax.tree_util.keystr(path) or 'the tree'} is {jnp.dtype(x.dtype).name}"
+                    f"{list(x.shape)}, not the channel's {name}{list(shape)}: send leaves of "
+                    "the shapes and dtypes the channel was made with, or make a new channel")
+        return _packed([x for _, x in with_path], spec, total)
     return jax.jit(pack)
+
+
+def tree_unpacker(treedef, spec: tuple):
+    """One jitted call: uint8[total] -> (a pytree of `treedef`, new arrays;
+    a one-byte array defined with them, whose definition says the call has
+    read the buffer)."""
+    leaves = unpacker(spec)
+    return jax.jit(lambda buf: (jax.tree_util.tree_unflatten(treedef, leaves(buf)), buf[:1]))
 
 
 @functools.lru_cache(maxsize=64)

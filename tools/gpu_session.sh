@@ -59,6 +59,14 @@
 #                                 tests/gpu -n 4 under load, bench_replay's
 #                                 experiments, the GPU fuzz under load in
 #                                 what is left of the call
+#   bash tools/gpu_session.sh 12  issue 39's green runs after its last fixes:
+#                                 tests/gpu -n 4 under load, the replay file
+#                                 alone under load (timing-dependent: isolated),
+#                                 then the GPU drop-in fuzz under load (12
+#                                 workers) in what is left of the call
+#   bash tools/gpu_session.sh 12 K  JAX's interop tests and the re-sync probe
+#                                 with the channel (K=1 only), then the
+#                                 loaded fuzz from case 10^6 K
 #   bash tools/gpu_session.sh 4 K the long run only, from case 10^6 K, for
 #                                 about 8 minutes (K = 1, 2, ... until the
 #                                 JSONs add up to 10^5 cases or more)
@@ -217,6 +225,52 @@ case "${1:-}" in
   echo "gpu fuzz exit status $?" | tee -a "$O/fuzz-gpu-loaded.txt"; kill $LOAD; wait $LOAD
   tail -30 "$O/fuzz-gpu-loaded.txt"
   ;;
+12)
+  # Issue 39's proofs on the code of 2026-12-06 (third session).  The load
+  # process runs throughout: load is the normal condition.
+  export PYTHONPATH=$PWD
+  "$PY" -c "import jax_overlay._xla_ext" 2>"$O/build.log" || JAX_OVERLAY_TESTING=1 \
+    "$PY" setup.py -q build_ext --inplace >>"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
+  K=${2:-0}
+  { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    "$PY" -c 'import jax, jaxlib, cupy, torch, numpy, numba; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, "cupy", cupy.__version__, "torch", torch.__version__, "numpy", numpy.__version__, "numba", numba.__version__)'
+    git log -1 --format=%H 2>/dev/null; } >"$O/versions-$K.txt" 2>&1; cat "$O/versions-$K.txt"
+  "$PY" tests/gpu/load.py >"$O/load-$K.txt" 2>&1 & LOAD=$!
+  for _ in $(seq 120); do grep -q ready "$O/load-$K.txt" && break; sleep 0.5; done
+  if [ "$K" = 0 ]; then
+    JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 15 "${SUITE_TIMEOUT:-220}" "$PY" -m pytest -n 4 -q -rfs \
+      -p no:cacheprovider --durations=10 tests/gpu --ignore=tests/gpu/test_fuzz_dropin_gpu.py \
+      --ignore=tests/gpu/test_foreign_replay_gpu.py --ignore=tests/gpu/test_foreign_saved_graph_gpu.py \
+      >"$O/suite-n4-loaded.txt" 2>&1
+    echo "suite exit status $?" >>"$O/suite-n4-loaded.txt"; tarball
+    grep -E "^(FAILED|ERROR)|passed|failed" "$O/suite-n4-loaded.txt" | cut -c1-240 | tail -25
+    JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 10 100 "$PY" -m pytest -q -rfs -p no:cacheprovider \
+      tests/gpu/test_foreign_replay_gpu.py >"$O/replay-tests-loaded.txt" 2>&1
+    echo "replay tests exit status $?" >>"$O/replay-tests-loaded.txt"; tail -6 "$O/replay-tests-loaded.txt"; tarball
+  elif [ "$K" = 1 ]; then
+    for t in base main; do
+      timeout 100 "$PY" tools/jax_interop.py "build/jax_interop_src/$t" --python "$PY" \
+        --out "$O/interop-$t.json" >"$O/interop-$t.txt" 2>&1
+      echo "interop $t exit status $?" | tee -a "$O/interop-$t.txt"; tail -3 "$O/interop-$t.txt"; tarball
+    done
+    # Issue 40's re-sync with the channel beside share, pack and torch.mp,
+    # under the load: 200 arrays, then 1,000.
+    for n in 200 1000; do
+      timeout -s INT 100 "$PY" benchmarks/probe_resync.py --arrays $n --rounds "${RESYNC_ROUNDS:-11}" \
+        --json "$O/resync-$n.json" >"$O/resync-$n.txt" 2>&1
+      echo "resync $n exit status $?" >>"$O/resync-$n.txt"; cat "$O/resync-$n.txt"; tarball
+    done
+  fi
+  BUDGET=$(( ${CALL_S:-560} - SECONDS ))
+  if [ "$BUDGET" -gt 40 ]; then
+    timeout $(( BUDGET + 30 )) "$PY" tools/fuzz_dropin.py --gpu --seed 20261206 \
+      --start $(( K * 1000000 )) --cases 100000 --x64 both --jobs "${JOBS:-12}" --budget "$BUDGET" \
+      --json "$O/fuzz-gpu-loaded-$K.json" >"$O/fuzz-gpu-loaded-$K.txt" 2>&1
+    echo "gpu fuzz $K exit status $?" | tee -a "$O/fuzz-gpu-loaded-$K.txt"
+    tail -25 "$O/fuzz-gpu-loaded-$K.txt" | cut -c1-400
+  fi
+  kill $LOAD; wait $LOAD; cat "$O/load-$K.txt" | tail -3
+  ;;
 2|3|4|5|6|7)
   JAX_OVERLAY_TESTING=1 "$PY" setup.py -q build_ext --inplace >"$O/build.log" 2>&1 || { cat "$O/build.log"; exit 1; }
   export PYTHONPATH=$PWD
@@ -321,5 +375,5 @@ case "${1:-}" in
     echo "ipc tests exit status $?" | tee -a "$O/ipc-tests.txt"; tail -4 "$O/ipc-tests.txt"
   fi
   ;;
-*) echo "usage: $0 1|2|3|4|5|6|7|8 [K]" >&2; exit 2 ;;
+*) echo "usage: $0 1|...|12 [K]" >&2; exit 2 ;;
 esac

@@ -392,6 +392,68 @@ bool WaitIpcEvent(int ordinal, const std::string& handle, uintptr_t stream,
   return true;
 }
 
+bool NewEvent(int ordinal, bool interprocess, uintptr_t* event,
+              std::string* handle, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  CUevent ev = nullptr;
+  CUresult r = g_cu.EventCreate(
+      &ev, kEventDisableTiming | (interprocess ? kEventInterprocess : 0u));
+  if (r != kSuccess) return DriverFail(err, "cuEventCreate", r);
+  handle->clear();
+  if (interprocess) {
+    EventHandle eh{};
+    r = g_cu.IpcGetEventHandle(&eh, ev);
+    if (r != kSuccess) {
+      g_cu.EventDestroy(ev);
+      return DriverFail(err, "cuIpcGetEventHandle", r);
+    }
+    handle->assign(eh.reserved, kEventHandleBytes);
+  }
+  *event = reinterpret_cast<uintptr_t>(ev);
+  return true;
+}
+
+bool RecordEvent(int ordinal, uintptr_t event, uintptr_t stream, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  CUresult r = g_cu.EventRecord(reinterpret_cast<CUevent>(event),
+                                reinterpret_cast<CUstream>(stream));
+  if (r != kSuccess) return DriverFail(err, "cuEventRecord", r);
+  return true;
+}
+
+bool OpenIpcEvent(int ordinal, const std::string& handle, uintptr_t* event,
+                  Error* err) {
+  if (handle.size() != kEventHandleBytes) {
+    return Fail(err, ErrorKind::kValue,
+                "an interprocess event handle is " +
+                    std::to_string(kEventHandleBytes) + " bytes, not " +
+                    std::to_string(handle.size()));
+  }
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  EventHandle eh;
+  std::memcpy(eh.reserved, handle.data(), kEventHandleBytes);
+  CUevent ev = nullptr;
+  CUresult r = g_cu.IpcOpenEventHandle(&ev, eh);
+  if (r != kSuccess) {
+    return DriverFail(err, "cuIpcOpenEventHandle (the other process's event; "
+                           "has it exited?)", r);
+  }
+  *event = reinterpret_cast<uintptr_t>(ev);
+  return true;
+}
+
+bool WaitEvent(int ordinal, uintptr_t event, uintptr_t stream, Error* err) {
+  cuda::DeviceScope scope;
+  if (!Enter(ordinal, &scope, err)) return false;
+  CUresult r = g_cu.StreamWaitEvent(reinterpret_cast<CUstream>(stream),
+                                    reinterpret_cast<CUevent>(event), 0);
+  if (r != kSuccess) return DriverFail(err, "cuStreamWaitEvent", r);
+  return true;
+}
+
 bool Synchronize(int ordinal, Error* err) {
   cuda::DeviceScope scope;
   if (!Enter(ordinal, &scope, err)) return false;

@@ -79,6 +79,20 @@ bool EventDone(int ordinal, uintptr_t event, bool* done, Error* err);
 bool WaitIpcEvent(int ordinal, const std::string& handle, uintptr_t stream,
                   Error* err);
 
+// A persistent channel's events (jax_overlay/_channel.py), made once and
+// recorded again every step, so a step costs no event creation or handle
+// exchange.  `interprocess`: with a handle another process can open.
+bool NewEvent(int ordinal, bool interprocess, uintptr_t* event,
+              std::string* handle, Error* err);
+// Records `event` again on `stream`: later waits on it see this record.
+bool RecordEvent(int ordinal, uintptr_t event, uintptr_t stream, Error* err);
+// Another process's interprocess event, opened once here (DestroyEvent
+// closes it); a wait on it sees the owner's latest record.
+bool OpenIpcEvent(int ordinal, const std::string& handle, uintptr_t* event,
+                  Error* err);
+// Makes `stream` wait on the GPU for `event`'s latest record.
+bool WaitEvent(int ordinal, uintptr_t event, uintptr_t stream, Error* err);
+
 // Waits on the host for all work of the device's primary context.
 bool Synchronize(int ordinal, Error* err);
 

@@ -675,6 +675,45 @@ PYBIND11_MODULE(_xla_ext, m) {
       "Makes `stream` wait on the GPU for another process's interprocess "
       "event.");
   m.def(
+      "new_event",
+      [check](int ordinal, bool interprocess) {
+        ipc::IpcEvent e;
+        Error err;
+        check(ipc::NewEvent(ordinal, interprocess, &e.event, &e.handle, &err),
+              err);
+        return e;
+      },
+      py::arg("ordinal"), py::arg("interprocess"),
+      "A new event, never recorded (its handle empty unless interprocess); "
+      "destroy_event frees it.");
+  m.def(
+      "record_event",
+      [check](int ordinal, uintptr_t event, uintptr_t stream) {
+        Error err;
+        check(ipc::RecordEvent(ordinal, event, stream, &err), err);
+      },
+      py::arg("ordinal"), py::arg("event"), py::arg("stream"),
+      "Records `event` again on `stream`.");
+  m.def(
+      "open_ipc_event",
+      [check](int ordinal, py::bytes handle) {
+        uintptr_t ev = 0;
+        Error err;
+        check(ipc::OpenIpcEvent(ordinal, std::string(handle), &ev, &err), err);
+        return ev;
+      },
+      py::arg("ordinal"), py::arg("handle"),
+      "Another process's interprocess event, opened (destroy_event closes "
+      "it).");
+  m.def(
+      "wait_event",
+      [check](int ordinal, uintptr_t event, uintptr_t stream) {
+        Error err;
+        check(ipc::WaitEvent(ordinal, event, stream, &err), err);
+      },
+      py::arg("ordinal"), py::arg("event"), py::arg("stream"),
+      "Makes `stream` wait on the GPU for `event`'s latest record.");
+  m.def(
       "synchronize",
       [check](int ordinal) {
         Error err;

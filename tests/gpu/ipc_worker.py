@@ -45,10 +45,34 @@ def _describe(leaf):
     return (lib, str(leaf.dtype), tuple(leaf.shape), str(dev))
 
 
+def _busy(ms):
+    """A call that keeps XLA's compute stream busy for about `ms`
+    milliseconds, not waited for (None for 0)."""
+    if not ms:
+        return None
+    import time
+    import jax
+    import jax.numpy as jnp
+    m = jnp.full((4096, 4096), 1e-4, jnp.float32)
+    step = jax.jit(lambda y: jnp.tanh(y @ m))
+    jax.block_until_ready(step(m))
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(step(step(step(m)))))
+    reps = max(1, round(ms / 1e3 / ((time.perf_counter() - t0) / 4)))
+
+    def busy():
+        y = m
+        for _ in range(reps):
+            y = step(y)
+        return y
+    return busy
+
+
 def serve(conn, env=None, framework="jax", queue=None):
     os.environ.update(env or {})
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
+    import numpy as np
 
     import jax_overlay
     held = []
@@ -102,6 +126,27 @@ def serve(conn, env=None, framework="jax", queue=None):
                 out = None
                 gc.collect()
                 out = jax_overlay._ipc.live_shares()
+            elif op == "channel_open":
+                held.append(jax_overlay.open_channel(args[0]))
+                out = True
+            elif op == "channel_recv":  # n steps; each leaf read to the host: its values
+                n, busy_ms, latest = args  # busy_ms: XLA's stream kept busy before each recv
+                rx = next(h for h in reversed(held) if isinstance(h, jax_overlay.Receiver))
+                busy = _busy(busy_ms)
+                out = []
+                for _ in range(n):
+                    if busy is not None:
+                        busy()  # the unpack queues behind it: the sender runs ahead
+                    tree = rx.recv(timeout=60, latest=latest)
+                    out.append(sorted({float(v) for x in jax.tree_util.tree_leaves(tree)
+                                       for v in np.unique(_host(x))}))
+                    del tree
+            elif op == "channel_close":
+                for h in held:
+                    if isinstance(h, jax_overlay.Receiver):
+                        h.close()
+                held.clear()
+                out = True
             elif op == "init":  # JAX's GPU client (its context's memory) up front
                 jax.block_until_ready(jax.numpy.zeros(1))
                 out = True
