@@ -13,6 +13,11 @@ device_get + pickle) is added.  The receiver also times a second open of
 the same allocations (cached mappings) per array.  Ratios are medians of
 per-round ratios.  Bytes copied: the receiver's GPU memory in use before
 and after the open (a zero-copy open maps, it allocates nothing).
+
+Then the weight re-sync rows (--resync, default 200,1000 arrays of 256 MiB in
+all): benchmarks/probe_resync.py in its own processes, where a channel
+(jax_overlay.channel), share, share(pack=True) and torch.multiprocessing
+alternate in every round; its figures land in ipc.json under "resync".
 """
 
 from __future__ import annotations
@@ -100,6 +105,8 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--read", choices=("jit", "eager"), default="jit",
                     help="how the JAX receiver reads every array first")
+    ap.add_argument("--resync", default="200,1000",
+                    help="tree sizes (arrays) of the re-sync rows; '' skips them")
     a = ap.parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
@@ -168,8 +175,22 @@ def main():
                          capture_output=True, text=True).stdout.strip()
     meta = {"gpu": gpu, "jax": jax.__version__, "python": platform.python_version(),
             "mib": a.mib, "arrays": a.arrays, "rounds": a.rounds, "read": a.read}
+    import subprocess as sp
+    resync = {}
+    for n in filter(None, a.resync.split(",")):
+        with __import__("tempfile").NamedTemporaryFile(suffix=".json") as f:
+            r = sp.run([sys.executable, str(ROOT / "benchmarks" / "probe_resync.py"), "--arrays", n,
+                        "--rounds", str(max(a.rounds, 7)), "--json", f.name])
+            if r.returncode == 0:
+                resync[n] = json.loads(pathlib.Path(f.name).read_text())
+                print(f"re-sync, {n} arrays: " + ", ".join(
+                    f"{k} {v:.2f} ms" for k, v in resync[n]["median_ms"].items()) + "; channel, "
+                    f"call to arrays {resync[n]['trainer_parts_ms']['channel: call to arrays']:.3f} ms",
+                    flush=True)
+            else:
+                resync[n] = {"error": f"probe_resync exited {r.returncode}"}
     out = pathlib.Path(a.out) / "ipc.json"
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "results": results, "resync": resync}, indent=1))
     print(json.dumps(meta))
 
 
