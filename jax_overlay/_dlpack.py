@@ -285,9 +285,12 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
       stock JAX's ``__dlpack__``: ``dl_device``, ``max_version``, the copy,
       then what jaxlib itself checks (the stream).
     * The capsule holds the array and jaxlib's external reference, which
-      makes XLA refuse to donate the buffer while a consumer holds it; only
-      a pending array exported with ``stream=-1`` has none (getting one would
-      mean waiting for it), so do not donate it while that export lives.
+      keeps XLA from reusing the buffer while a consumer holds it: a
+      donating computation copies instead (PJRT on the GPU refuses it; up to
+      jaxlib 0.12.0 XLA:CPU leaves the array alive, from 0.12.1 it marks it
+      donated, the buffer kept for the consumer).  Only a pending array
+      exported with ``stream=-1`` has none (getting one would mean waiting
+      for it), so do not donate it while that export lives.
     """
     cap = _remembered(x, stream, max_version, dl_device, copy)
     if cap is not None:
@@ -302,7 +305,8 @@ def to_dlpack(x: jax.Array, *, stream: int | None = None,
     strides = rt.byte_strides(x, dtype.itemsize)
     if strides is not None:
         strides = [s // dtype.itemsize for s in strides]
-    # Lifetime: the array keeps its buffer alive, the reference blocks donation.
+    # Lifetime: the array keeps its buffer alive, the reference keeps XLA from
+    # reusing it for a donation.
     owner = x if reference is None else (x, reference)
     flags = ext.FLAG_READ_ONLY | (ext.FLAG_IS_COPIED if copied else 0)
     ptr, shape = x.unsafe_buffer_pointer(), list(x.shape)
@@ -330,7 +334,7 @@ def _remembered(x, stream, max_version, dl_device, copy):
     if rt.NATIVE_DLPACK_1 and max_version is not None:
         _jaxlib_arguments(stream, max_version)
     # Lifetime as to_dlpack's: the array holds its buffer, jaxlib's external
-    # reference blocks donation while a consumer holds it.
+    # reference keeps XLA from reusing it while a consumer holds it.
     return ext.raw_capsule((x, rt.external_reference(x)), ptr, shape, strides,
                            dl_dtype, dl_type, dl_id, versioned,
                            ext.FLAG_READ_ONLY if versioned else 0)
@@ -381,9 +385,11 @@ def _ordered(x, target, stream):
         raise like_stock(BufferError(
             f"stream={stream!r}: pass None (legacy default stream), -1 (no "
             "ordering), 1, 2 or a CUDA stream handle"), JaxRuntimeError)
-    # PJRT's external reference makes XLA refuse to donate the buffer while
-    # a consumer holds it; jaxlib's capsule carries it and drops it from its
-    # destructor (it is never consumed), so it lives exactly as long as ours.
+    # PJRT's external reference keeps XLA from reusing the buffer for a
+    # donation while a consumer holds it (XLA:CPU copies; from jaxlib 0.12.1
+    # it marks the array donated all the same); jaxlib's capsule carries it
+    # and drops it from its destructor (it is never consumed), so it lives
+    # exactly as long as ours.
     if ready:
         return True, rt.external_reference(x)
     if stream != -1:

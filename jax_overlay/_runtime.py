@@ -211,8 +211,10 @@ def order_stream_after(x, stream: int):
 
 def external_reference(x):
     """jaxlib's DLPack capsule of a ready array, kept unconsumed: it holds a
-    PJRT external reference (no donation while it lives) and releases it
-    from its destructor.  Only for ready arrays: on jaxlib 0.11.2 it waits
+    PJRT external reference (XLA does not reuse the buffer for a donation
+    while it lives: PJRT on the GPU refuses, XLA:CPU copies, and from jaxlib
+    0.12.1 marks the array donated all the same) and releases it from its
+    destructor.  Only for ready arrays: on jaxlib 0.11.2 it waits
     on the host for pending ones."""
     return _jax.buffer_to_dlpack_managed_tensor(x)
 

@@ -230,12 +230,13 @@ def test_release_numbers(version, release):
     assert _native.release(version) == release
 
 
-@pytest.mark.parametrize("jaxlib", ["0.10.0", "0.10.1", "0.11.2", "0.12.0", "0.12.0.1", "0.12.0.9"])
+@pytest.mark.parametrize("jaxlib", [
+    "0.10.0", "0.10.1", "0.11.2", "0.12.0", "0.12.0.1", "0.12.0.9", "0.12.1"])
 def test_supported_jaxlib_imports(jaxlib):
     _native.check_jaxlib(ext, jaxlib)
 
 
-@pytest.mark.parametrize("jaxlib", ["0.9.2", "0.4.38", "0.12.1", "0.13.0", "0.13.0.dev20260101", "1.0.0"])
+@pytest.mark.parametrize("jaxlib", ["0.9.2", "0.4.38", "0.12.2", "0.13.0", "0.13.0.dev20260101", "1.0.0"])
 def test_unsupported_jaxlib_is_refused_naming_both(monkeypatch, jaxlib):
     monkeypatch.delenv(_native.ALLOW_ANY_JAXLIB, raising=False)
     with pytest.raises(ImportError) as e:
