@@ -206,7 +206,7 @@ def order_stream_after(x, stream: int):
     export (an event wait; the host waits only until the definition event
     exists, i.e. until JAX has enqueued the computation).  Returns jaxlib's
     capsule, unconsumed: it holds a PJRT external reference until freed."""
-    return _jax.buffer_to_dlpack_managed_tensor(x, stream=stream)
+    return _jax.buffer_to_dlpack_managed_tensor(_holder(x), stream=stream)
 
 
 def external_reference(x):
@@ -216,7 +216,18 @@ def external_reference(x):
     0.12.1 marks the array donated all the same) and releases it from its
     destructor.  Only for ready arrays: on jaxlib 0.11.2 it waits
     on the host for pending ones."""
-    return _jax.buffer_to_dlpack_managed_tensor(x)
+    return _jax.buffer_to_dlpack_managed_tensor(_holder(x))
+
+
+def _holder(x):
+    """The array a capsule's PJRT external reference is taken through: its
+    single-device shard, a second jax.Array over the same buffer, as stock
+    jax's __dlpack__ does.  Taken through `x` itself, a later `x.delete()`
+    (the user's, while a consumer still holds the view) aborts the process
+    in jaxlib (a CHECK on the reference's hold, 0.12.0 and 0.12.1); taken
+    through the shard, x.delete() leaves the buffer to the reference, and it
+    is freed when the capsule is (tests/cpu/test_dlpack_export.py)."""
+    return x.addressable_data(0)
 
 
 try:

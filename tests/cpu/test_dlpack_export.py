@@ -125,6 +125,37 @@ def test_export_blocks_donation_while_held():
     np.testing.assert_array_equal(y, np.arange(1 << 20, dtype=np.float32) + 1)
 
 
+_DELETE_WHILE_HELD = """
+import gc, sys, jax.numpy as jnp, numpy as np, jax_overlay
+class Holder:
+    def __init__(self, cap): self.cap = cap
+    def __dlpack__(self, **kw): return self.cap
+    def __dlpack_device__(self): return (1, 0)
+x = jnp.arange(1 << 20, dtype=jnp.float32) + 0
+ptr = x.unsafe_buffer_pointer()
+view = np.from_dlpack(Holder(jax_overlay.to_dlpack(x, max_version=(1, 0))))
+x.delete()  # the user's, while the consumer still holds the view
+churn = [jnp.full(1 << 20, -1.0).block_until_ready() for _ in range(16)]
+assert ptr not in {c.unsafe_buffer_pointer() for c in churn}, "reused while held"
+assert (view == np.arange(1 << 20, dtype=np.float32)).all(), "the view changed"
+del view; gc.collect()
+print("ok")
+"""
+
+
+def test_delete_while_a_consumer_holds_the_export():
+    """x.delete() while a consumer holds our export: no abort (jaxlib's
+    CHECK on an external reference taken through x itself, which killed
+    the process), the buffer kept for the view until it is let go; stock's
+    __dlpack__ behaves so too.  In a subprocess: the failure is an abort."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _DELETE_WHILE_HELD], capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
 @pytest.mark.parametrize("stream", [1.5, "1", 2**64])
 def test_bad_streams(stream):
     # What jaxlib cannot take as a stream: its TypeError, and the protocol's

@@ -228,3 +228,46 @@ def test_pinned_jax_array_in_flight_reaches_torch_as_a_cpu_view():
     jax.block_until_ready(churn)
     assert t.data_ptr() == ptr
     np.testing.assert_array_equal(t.numpy(), np.arange(n))
+
+
+_DELETE_WHILE_HELD = """
+import gc, sys, jax, jax.numpy as jnp, numpy as np, jax_overlay
+route = sys.argv[1]
+jax_overlay.install()
+x = jnp.arange(1 << 20, dtype=jnp.float32) + 0
+x.block_until_ready()
+ptr = x.unsafe_buffer_pointer()
+if route == "torch":
+    import torch
+    view = torch.from_dlpack(x)
+    read = lambda: view.cpu().numpy()
+elif route == "cupy":
+    import cupy as cp
+    view = cp.asarray(x)  # the CAI export
+    read = lambda: view.get()
+else:
+    h = jax_overlay.share(x)
+    view = None
+    read = lambda: np.arange(1 << 20, dtype=np.float32)
+x.delete()  # the user's, while a consumer still holds the export
+churn = [jnp.full(1 << 20, -1.0).block_until_ready() for _ in range(16)]
+assert ptr not in {c.unsafe_buffer_pointer() for c in churn}, "reused while held"
+assert (read() == np.arange(1 << 20, dtype=np.float32)).all(), "the consumer's values changed"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("route", ["torch", "cupy", "share"])
+def test_delete_while_a_consumer_holds_the_export(route):
+    """x.delete() while PyTorch, CuPy or a share holds x (install()ed
+    exports): no abort (jaxlib's CHECK when the external reference was
+    taken through x itself), the buffer kept for the consumer.  In a
+    subprocess: the failure is an abort."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip({"share": "jax", "torch": "torch", "cupy": "cupy"}[route])
+    r = subprocess.run([sys.executable, "-c", _DELETE_WHILE_HELD, route], capture_output=True,
+                       text=True, timeout=180,
+                       env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
