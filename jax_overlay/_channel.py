@@ -397,7 +397,7 @@ class Receiver:
             for fd in fds:
                 os.close(fd)
         conn.settimeout(None)
-        self._conn = conn
+        self._conn: socket.socket | None = conn
         self._unpack = _pack.tree_unpacker(treedef, spec)
         self._uint8 = dtype_code(np.dtype(np.uint8))
         self._sender_done = False
@@ -412,18 +412,19 @@ class Receiver:
         if self._conn is None:
             raise BufferError("this receiver is closed: open the channel's name again? (a "
                               "channel has one receiver: make a new channel)")
-        msg = self._next(timeout)
+        conn = self._conn
+        msg = self._next(conn, timeout)
         if latest:
             while True:
                 try:
-                    more = self._conn.recv(64, socket.MSG_DONTWAIT)
+                    more = conn.recv(64, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
                 if not more:
                     self._sender_done = True
                     break
                 # Never read: the sender may reuse its slot at once.
-                self._conn.send(_ACK.pack(_STEP.unpack(msg)[0]))
+                conn.send(_ACK.pack(_STEP.unpack(msg)[0]))
                 msg = more
         k, j = _STEP.unpack(msg)
         o = self.ordinal
@@ -443,18 +444,18 @@ class Receiver:
             done_stream = _stream(o)
             rt.order_stream_after(read, done_stream)
             ext.record_event(o, self._done[j].event, done_stream)
-        self._conn.send(_ACK.pack(k))
+        conn.send(_ACK.pack(k))
         self.received += 1
         return out
 
-    def _next(self, timeout):
-        self._conn.settimeout(timeout)
+    def _next(self, conn, timeout):
+        conn.settimeout(timeout)
         try:
-            msg = self._conn.recv(64)
+            msg = conn.recv(64)
         except TimeoutError:
             raise TimeoutError(f"no step arrived within {timeout} s") from None
         finally:
-            self._conn.settimeout(None)
+            conn.settimeout(None)
         if not msg:
             self._sender_done = True
             raise BufferError("the sender closed the channel (close() or exit), and every "
