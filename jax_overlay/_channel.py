@@ -53,6 +53,10 @@ _streams: dict[int, int] = {}
 _streams_lock = threading.Lock()
 
 
+def _this_process() -> int:
+    return os.getpid()
+
+
 def _stream(ordinal):
     """This process's channel stream on a GPU (one, never destroyed)."""
     with _streams_lock:
@@ -186,7 +190,8 @@ class Channel:
         try:
             conn.send(msg)
         except OSError as e:
-            raise BufferError(f"the receiver has gone ({e}): make a new channel") from None
+            raise BufferError(f"the receiver closed the channel (close() or exit; {e}): make "
+                              "a new channel for a new receiver") from None
 
     def _await_ack(self, step, timeout):
         if self._acked >= step:
@@ -345,6 +350,10 @@ class Receiver:
             raise TypeError(f"open_channel takes a jax_overlay.ChannelName (channel.name), not "
                             f"{type(name).__module__}.{type(name).__qualname__}")
         name.check()
+        if name.pid == _this_process():
+            # CUDA's interprocess events open in other processes only.
+            raise BufferError("this channel was made in this process: its receiver is another "
+                              "process (in this one, use the arrays themselves)")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.settimeout(config.share_timeout_s)
         fds: list[int] = []

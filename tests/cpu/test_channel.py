@@ -98,3 +98,9 @@ def test_pack_refuses_another_tree_naming_the_leaf():
     with pytest.raises(ValueError, match="structure"):
         pack({"a": t["a"]})
     np.testing.assert_array_equal(pack(t), pack(tree()))  # still serves the right tree
+
+
+def test_a_receiver_in_the_senders_process_is_refused(monkeypatch):
+    import os
+    with pytest.raises(BufferError, match="made in this process"):
+        jax_overlay.open_channel(name(pid=os.getpid()))
