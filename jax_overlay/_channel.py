@@ -282,7 +282,8 @@ class Channel:
             pass
         # The receiver may still wait on our events and read our slots:
         # they are freed only once it has let go (its end of the socket).
-        threading.Thread(target=self._free_after, args=(conn,), daemon=True).start()
+        threading.Thread(target=self._free_after, args=(conn,), name="jax_overlay-channel-free",
+                         daemon=True).start()
 
     def _free_after(self, conn):
         try:
