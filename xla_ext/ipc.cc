@@ -333,21 +333,11 @@ bool NewStream(int ordinal, uintptr_t* stream, Error* err) {
 
 bool RecordIpcEvent(int ordinal, uintptr_t stream, uintptr_t* event,
                     std::string* handle, Error* err) {
-  cuda::DeviceScope scope;
-  if (!Enter(ordinal, &scope, err)) return false;
-  CUevent ev = nullptr;
-  CUresult r = g_cu.EventCreate(&ev, kEventDisableTiming | kEventInterprocess);
-  if (r != kSuccess) return DriverFail(err, "cuEventCreate(interprocess)", r);
-  r = g_cu.EventRecord(ev, reinterpret_cast<CUstream>(stream));
-  EventHandle eh{};
-  if (r == kSuccess) r = g_cu.IpcGetEventHandle(&eh, ev);
-  if (r != kSuccess) {
-    g_cu.EventDestroy(ev);
-    return DriverFail(err, "recording an interprocess event", r);
-  }
-  *event = reinterpret_cast<uintptr_t>(ev);
-  handle->assign(eh.reserved, kEventHandleBytes);
-  return true;
+  if (!NewEvent(ordinal, true, event, handle, err)) return false;
+  if (RecordEvent(ordinal, *event, stream, err)) return true;
+  Error ignored;
+  DestroyEvent(ordinal, *event, &ignored);
+  return false;
 }
 
 bool DestroyEvent(int ordinal, uintptr_t event, Error* err) {
@@ -369,27 +359,13 @@ bool EventDone(int ordinal, uintptr_t event, bool* done, Error* err) {
 
 bool WaitIpcEvent(int ordinal, const std::string& handle, uintptr_t stream,
                   Error* err) {
-  if (handle.size() != kEventHandleBytes) {
-    return Fail(err, ErrorKind::kValue,
-                "an interprocess event handle is " +
-                    std::to_string(kEventHandleBytes) + " bytes, not " +
-                    std::to_string(handle.size()));
-  }
-  cuda::DeviceScope scope;
-  if (!Enter(ordinal, &scope, err)) return false;
-  EventHandle eh;
-  std::memcpy(eh.reserved, handle.data(), kEventHandleBytes);
-  CUevent ev = nullptr;
-  CUresult r = g_cu.IpcOpenEventHandle(&ev, eh);
-  if (r != kSuccess) {
-    return DriverFail(err, "cuIpcOpenEventHandle (the exporter's event; has "
-                           "the exporting process exited?)", r);
-  }
-  r = g_cu.StreamWaitEvent(reinterpret_cast<CUstream>(stream), ev, 0);
+  uintptr_t ev = 0;
+  if (!OpenIpcEvent(ordinal, handle, &ev, err)) return false;
+  bool ok = WaitEvent(ordinal, ev, stream, err);
   // Closing the opened event is safe once the wait is enqueued.
-  g_cu.EventDestroy(ev);
-  if (r != kSuccess) return DriverFail(err, "cuStreamWaitEvent", r);
-  return true;
+  Error ignored;
+  DestroyEvent(ordinal, ev, &ignored);
+  return ok;
 }
 
 bool NewEvent(int ordinal, bool interprocess, uintptr_t* event,
