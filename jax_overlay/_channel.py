@@ -49,21 +49,10 @@ CHANNEL_VERSION = 1
 _SLOT_ALIGN = 256
 _STEP = struct.Struct("<QI")   # sender -> receiver: (step, slot)
 _ACK = struct.Struct("<Q")     # receiver -> sender: step, read (its slot may be reused)
-_streams: dict[int, int] = {}
-_streams_lock = threading.Lock()
 
 
 def _this_process() -> int:
     return os.getpid()
-
-
-def _stream(ordinal):
-    """This process's channel stream on a GPU (one, never destroyed)."""
-    with _streams_lock:
-        s = _streams.get(ordinal)
-        if s is None:
-            s = _streams[ordinal] = ext.new_stream(ordinal)
-        return s
 
 
 class ChannelName:
@@ -151,7 +140,7 @@ class Channel:
         packed = self._pack(tree)  # reads the leaves on XLA's stream: they are free after
         o, k = self.ordinal, self.sent
         j = k % self.slots
-        stream = _stream(o)
+        stream = _ipc._EXPORTER.stream(o)
         ptr = packed.unsafe_buffer_pointer() if self.total else 0
         if ptr:
             info = ext.pointer_info(ptr)
@@ -222,8 +211,7 @@ class Channel:
 
     def _handshake(self, conn):
         conn.settimeout(config.share_timeout_s)
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        uid = _ipc._peer_uid(conn)
         req = json.loads(conn.recv(4096))
         why = None
         if uid != os.getuid():
@@ -242,8 +230,7 @@ class Channel:
                                self.total, self.slot_bytes, self.slots, self._alloc.size,
                                [e.handle for e in self._ready]))
         conn.send(json.dumps({"ok": True, "size": len(layout)}).encode())
-        for k in range(0, len(layout), _ipc._CHUNK):
-            conn.send(layout[k:k + _ipc._CHUNK])
+        _ipc._send_chunks(conn, layout)
         socket.send_fds(conn, [b"fd"], [self._fd])
         reply = json.loads(conn.recv(4096))
         done = [ext.open_ipc_event(self.ordinal, bytes.fromhex(h)) for h in reply["done"]]
@@ -364,8 +351,7 @@ class Receiver:
             except (OSError, ValueError) as e:
                 raise BufferError(f"the sending process (pid {name.pid}) no longer serves this "
                                   f"channel ({e}): it has exited or closed it") from None
-            _, uid, _ = struct.unpack("3i", conn.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            uid = _ipc._peer_uid(conn)
             if uid != os.getuid():
                 raise BufferError(f"the process serving this channel runs as user {uid}, this "
                                   f"one as user {os.getuid()}: channels open only between "
@@ -375,18 +361,13 @@ class Receiver:
             reply = json.loads(head) if head else {"error": "the sender closed the connection"}
             if "error" in reply:
                 raise BufferError(reply["error"])
-            data = bytearray()
-            while len(data) < int(reply["size"]):
-                part = conn.recv(_ipc._CHUNK)
-                if not part:
-                    raise BufferError("the sender closed the connection mid-answer")
-                data += part
+            data = _ipc._recv_chunks(conn, int(reply["size"]), "the sender")
             _, fds, _, _ = socket.recv_fds(conn, 16, 1)
             if len(fds) != 1:
                 raise BufferError("the sender sent no descriptor for its slots")
             # From a process of this user that knew the channel's token.
             (uuid, treedef, spec, self.total, self.slot_bytes, self.slots, size,
-             ready) = pickle.loads(bytes(data))
+             ready) = pickle.loads(data)
             self.ordinal = o = _ipc._ordinal_of(uuid)
             self.device = rt.gpu_device(o)
             # The views of the slots hold the mapping: a pending unpack reads
@@ -451,7 +432,7 @@ class Receiver:
         if self.total:
             # Slot j may be written again once the unpack has read it: our
             # event, recorded behind the unpack's outputs' definition.
-            done_stream = _stream(o)
+            done_stream = _ipc._EXPORTER.stream(o)
             rt.order_stream_after(read, done_stream)
             ext.record_event(o, self._done[j].event, done_stream)
         conn.send(_ACK.pack(k))

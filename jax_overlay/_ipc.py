@@ -62,6 +62,30 @@ _CHUNK = 1 << 16        # bytes of the layout per message (SEQPACKET keeps them 
 _TOKEN_BYTES = 16
 
 
+# The socket steps shares and channels (_channel) take alike.
+def _peer_uid(conn) -> int:
+    """The user id of the process at the other end of `conn`."""
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def _send_chunks(conn, data: bytes) -> None:
+    for k in range(0, len(data), _CHUNK):
+        conn.send(data[k:k + _CHUNK])
+
+
+def _recv_chunks(conn, size: int, who: str) -> bytes:
+    """`size` bytes sent by _send_chunks; a BufferError if `who` closes first."""
+    data = bytearray()
+    while len(data) < size:
+        part = conn.recv(_CHUNK)
+        if not part:
+            raise BufferError(f"{who} closed the connection mid-answer")
+        data += part
+    return bytes(data)
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -333,8 +357,7 @@ class _Exporter:
         """Serves one open: the layout, then every allocation's descriptor.
         Returns the share's id when the receiver now holds it."""
         try:
-            _, uid, _ = struct.unpack("3i", conn.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            uid = _peer_uid(conn)
             req = json.loads(msg)
             sid, token = int(req["open"]), bytes.fromhex(req["token"])
         except (OSError, ValueError, KeyError, TypeError):
@@ -363,8 +386,7 @@ class _Exporter:
                 return 0
             assert e is not None  # held: not freed meanwhile
             conn.send(json.dumps({"ok": True, "size": len(e.layout), "fds": len(e.fds)}).encode())
-            for k in range(0, len(e.layout), _CHUNK):
-                conn.send(e.layout[k:k + _CHUNK])
+            _send_chunks(conn, e.layout)
             for k in range(0, len(e.fds), _FDS_PER_MESSAGE):
                 socket.send_fds(conn, [b"fds"], e.fds[k:k + _FDS_PER_MESSAGE])
             return sid
@@ -696,8 +718,7 @@ def _request(share):
             "memory); make a new share in a live process") from None
     fds: list[int] = []
     try:
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        uid = _peer_uid(conn)
         if uid != os.getuid():  # only a process of this user may tell us a layout
             raise BufferError(
                 f"the process serving {share.address!r} runs as user {uid}, this one as "
@@ -708,19 +729,14 @@ def _request(share):
         if "error" in reply:
             raise BufferError(reply["error"])
         size, count = int(reply["size"]), int(reply["fds"])
-        data = bytearray()
-        while len(data) < size:
-            part = conn.recv(_CHUNK)
-            if not part:
-                raise BufferError("the exporter closed the connection mid-answer")
-            data += part
+        data = _recv_chunks(conn, size, "the exporter")
         while len(fds) < count:
             _, got, _, _ = socket.recv_fds(conn, 16, _FDS_PER_MESSAGE)
             if not got:
                 raise BufferError("the exporter closed the connection mid-answer")
             fds.extend(got)
         # From a process of this user that knew the share's token: its own.
-        layout = pickle.loads(bytes(data))
+        layout = pickle.loads(data)
         if len(fds) != len(layout[4]):
             raise BufferError(f"the exporter sent {len(fds)} descriptors for "
                               f"{len(layout[4])} allocations")

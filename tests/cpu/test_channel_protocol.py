@@ -124,7 +124,7 @@ def fake(monkeypatch):
         _, ptr, (n,) = cap
         return jnp.asarray(np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr)).copy())
     monkeypatch.setattr(_channel._view, "import_view", import_view)
-    monkeypatch.setattr(_channel, "_streams", {})
+    monkeypatch.setattr(_channel._ipc._EXPORTER, "streams", {})
     # Both ends in this process (the real channel refuses that: CUDA opens
     # another process's events only).
     monkeypatch.setattr(_channel, "_this_process", lambda: -1)
