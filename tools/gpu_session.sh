@@ -247,6 +247,14 @@ case "${1:-}" in
     timeout -s INT 100 "$PY" benchmarks/probe_resync.py --arrays 200 --rounds "${RESYNC_ROUNDS:-11}" \
       --json "$O/resync-200.json" >"$O/resync-200.txt" 2>&1
     echo "resync 200 exit status $?" >>"$O/resync-200.txt"; tail -32 "$O/resync-200.txt"; tarball
+    # Issue 40's kept results: with XLA's temporaries in a pool of their own
+    # (--xla_gpu_temp_buffer_use_separate_color), does the "sliced" arm's
+    # trace (fn's output an XLA temporary) stay put while results are kept?
+    XLA_FLAGS="--xla_gpu_graph_min_graph_size=1 --xla_gpu_temp_buffer_use_separate_color=true" \
+      timeout -s INT 150 "$PY" benchmarks/bench_replay.py --rounds 3 --calls 200 \
+      --out "$O/replay-sepcolor" >"$O/replay-sepcolor.txt" 2>&1
+    echo "replay sepcolor exit status $?" >>"$O/replay-sepcolor.txt"
+    grep -E "kept|ran|exit status" "$O/replay-sepcolor.txt" | cut -c1-200; tarball
     if [ "${REPLAY:-1}" != 0 ]; then
       JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 10 100 "$PY" -m pytest -q -rfs -p no:cacheprovider \
         tests/gpu/test_foreign_replay_gpu.py >"$O/replay-tests-loaded.txt" 2>&1
