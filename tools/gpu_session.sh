@@ -273,6 +273,11 @@ case "${1:-}" in
         --json "$O/resync-$n.json" >"$O/resync-$n.txt" 2>&1
       echo "resync $n exit status $?" >>"$O/resync-$n.txt"; cat "$O/resync-$n.txt"; tarball
     done
+    # Issue 40's default mode against torch2jax: where the callback's Python
+    # time goes (cProfile inside the callback), beside the bare callback.
+    timeout -s INT 90 "$PY" benchmarks/probe_foreign.py --backend gpu --rounds 5 --calls 200 \
+      --profile 3000 --top 40 >"$O/foreign-profile.txt" 2>&1
+    echo "foreign profile exit status $?" >>"$O/foreign-profile.txt"; head -14 "$O/foreign-profile.txt"; tarball
   fi
   BUDGET=$(( ${CALL_S:-560} - SECONDS ))
   if [ "$BUDGET" -gt 40 ]; then
