@@ -273,6 +273,9 @@ case "${1:-}" in
         --json "$O/resync-$n.json" >"$O/resync-$n.txt" 2>&1
       echo "resync $n exit status $?" >>"$O/resync-$n.txt"; cat "$O/resync-$n.txt"; tarball
     done
+    timeout -s INT 60 "$PY" benchmarks/probe_channel_host.py --json "$O/channel-host.json" \
+      >"$O/channel-host.txt" 2>&1; echo "channel host exit status $?" >>"$O/channel-host.txt"
+    cat "$O/channel-host.txt"; tarball
     # Issue 40's default mode against torch2jax: where the callback's Python
     # time goes (cProfile inside the callback), beside the bare callback.
     timeout -s INT 90 "$PY" benchmarks/probe_foreign.py --backend gpu --rounds 5 --calls 200 \
