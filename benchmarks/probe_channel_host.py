@@ -16,28 +16,16 @@ rounds; medians.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import time
+import harness  # first: XLA's allocator setting, before jax loads
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-from jax_overlay import _pack
+from jax_overlay import _pack  # noqa: E402
 
 
-def per_call_us(fn, calls):
-    jax.block_until_ready(fn())
-    t = time.perf_counter()
-    for _ in range(calls):
-        out = fn()
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / calls * 1e6
-
-
-def arms(n):
+def arms(n, calls):
     tree = [jnp.full((64,), i, jnp.float32) for i in range(n)]
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     spec, total = _pack.layout(leaves)
@@ -51,36 +39,27 @@ def arms(n):
 
     def control():
         return [np.frombuffer(raw, np.float32, 64, 256 * i).copy() for i in range(n)]
-    return {"pack": lambda: pack(tree), "unpack": lambda: unpack(packed),
-            "control (no jax)": control}
+    cases = {"pack": lambda: jax.block_until_ready(pack(tree)),
+             "unpack": lambda: jax.block_until_ready(unpack(packed)),
+             "control (no jax)": control}
+    return [harness.Arm(k, lambda f=f: harness.per_call_us(f, calls), warm=f,
+                        control=k.startswith("control")) for k, f in cases.items()]
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.arguments(__doc__, json_file=True, rounds=7, calls=30)
     p.add_argument("--leaves", default="200,1000")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--calls", type=int, default=30)
-    p.add_argument("--json")
     a = p.parse_args()
-    dev = jax.devices()[0]
-    where = getattr(dev, "device_kind", dev.platform)
-    result = {"device": where, "jax": jax.__version__, "rounds": a.rounds, "calls": a.calls,
-              "us": {}}
+    meta = harness.meta()
+    result = {"meta": meta, "us": {}}
     print(f"# a channel step's host work, µs per call (dispatch to ready), median of {a.rounds} "
-          f"alternating rounds of {a.calls} calls; {where}, jax {jax.__version__}")
+          f"alternating rounds of {a.calls} calls; {meta.get('device')}, jax {jax.__version__}")
     for n in (int(s) for s in a.leaves.split(",")):
-        cases = arms(n)
-        samples: dict = {k: [] for k in cases}
-        for _ in range(a.rounds):
-            for k, fn in cases.items():
-                samples[k].append(per_call_us(fn, a.calls))
-        med = {k: statistics.median(v) for k, v in samples.items()}
+        med = {k: harness.med(v) for k, v in harness.alternate(arms(n, a.calls), a.rounds).items()}
         result["us"][str(n)] = med
         print(f"{n:5d} leaves: " + "  ".join(f"{k} {v:8.1f}" for k, v in med.items())
               + f"  | per leaf: pack {med['pack'] / n:.2f}, unpack {med['unpack'] / n:.2f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    harness.save(a.json, result)
 
 
 if __name__ == "__main__":
