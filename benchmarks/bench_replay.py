@@ -232,6 +232,12 @@ def numba_group():
                            "numba foreign replay": _waited(rep, x)}, {}
 
 
+def _torch_reserved():
+    """PyTorch's reserved GPU memory in MiB, None where it is not in use."""
+    torch = sys.modules.get("torch")
+    return torch.cuda.memory_reserved() / 2**20 if torch is not None else None
+
+
 def main():
     p = harness.arguments(__doc__, out=".", rounds=7, calls=300)
     args = p.parse_args()
@@ -247,6 +253,7 @@ def main():
     arms = [harness.Arm(name, lambda fn=fn: harness.per_call_us(fn, args.calls), warm=fn,
                         control=name == control)
             for control, made in groups for name, fn in made.items()]
+    reserved = _torch_reserved()
     samples = harness.alternate(arms, args.rounds)
     res: dict = {"us": {}, "x_eager": {}, "x_jax": {}, "unavailable": unavailable}
     for control, made in groups:
@@ -267,6 +274,10 @@ def main():
     res["samples"] = samples
     # fn's Python runs per call of the counted arms (warm-ups included).
     res["fn runs"] = dict(RUNS)
+    # What the traces' memory grew by over the timed rounds (PyTorch's
+    # reserved memory, MiB): a pool per new set of output addresses.
+    if reserved is not None:
+        res["torch reserved MiB"] = {"before": reserved, "after": _torch_reserved()}
     meta = harness.meta(imports=("cupy", "numba", "torch"))
     lines = [f"# small foreign calls, µs per call (dispatch to ready), {args.rounds} alternating "
              f"rounds of {args.calls} calls; {meta.get('device')}, jax {jax.__version__}, "
@@ -277,6 +288,9 @@ def main():
              *[f"{k}: {v:.3f} (median of per-round ratios)" for k, v in res.items()
                if " / " in k],
              *[f"{k}: fn ran {n} times" for k, n in RUNS.items()],
+             *([f"PyTorch reserved memory over the timed rounds: "
+                f"{reserved:.1f} -> {res['torch reserved MiB']['after']:.1f} MiB"]
+               if reserved is not None else []),
              *[f"{k}: unavailable: {why}" for k, why in unavailable.items()]]
     text = "\n".join(lines)
     print(text)
