@@ -110,9 +110,9 @@ def _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens):
     is still alive when it returns, fn kept."""
     make_view = adapter.view
     in_views = [make_view(b, False, tokens) for b in args]
-    out_views = [make_view(b, True, tokens) for b in outs]
     inputs = in_views if in_tree is None else jax.tree_util.tree_unflatten(in_tree, in_views)
     if write_out:
+        out_views = [make_view(b, True, tokens) for b in outs]
         got = fn(*inputs, out=out_views[0] if out_tree is None
                  else jax.tree_util.tree_unflatten(out_tree, out_views))
         if got is not None:
@@ -132,8 +132,8 @@ def _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens):
                 f"result_shape_dtypes has {want}")
     # Checked against XLA's own output buffers: under vmap they carry the
     # batch dimension that result_shape_dtypes does not.
-    for i, (view, leaf) in enumerate(zip(out_views, leaves)):
-        adapter.copy_into(view, adapter.output(i, leaf, view), stream)
+    for i, (b, leaf) in enumerate(zip(outs, leaves)):
+        adapter.write(i, b, leaf, stream, tokens)
 
 
 _LEAF = jax.tree_util.tree_structure(0)

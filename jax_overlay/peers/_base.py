@@ -110,7 +110,8 @@ class Adapter:
     """What ``foreign()`` asks of a library's adapter, per call: the device
     of the call's buffers (`ordinal`), entering and leaving the library's
     stream (`enter`, `exit`), views of XLA's buffers (`view`), fn's outputs
-    checked (`output`) and copied into XLA's (`copy_into`), and the memory
+    checked (`output`) and copied into XLA's (`copy_into`, through `write`),
+    and the memory
     a replay's trace keeps (`capture`)."""
 
     name = ""
@@ -134,6 +135,13 @@ class Adapter:
 
     def copy_into(self, view, arr, stream) -> None:
         raise NotImplementedError
+
+    def write(self, i, b, got, stream, tokens) -> None:
+        """fn's output `i` (`got`) checked and copied into XLA's buffer `b`:
+        through a view of `b`.  A library with a cheaper way for its
+        common case takes that first."""
+        view = self.view(b, True, tokens)
+        self.copy_into(view, self.output(i, got, view), stream)
 
     def capture(self, memory: list) -> Any:
         """A context for fn's run while XLA traces it into a CUDA graph

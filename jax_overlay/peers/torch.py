@@ -183,6 +183,7 @@ class Foreign(GpuAdapter):
         # both) costs a few µs; torch.cuda.stream() tens (it looks the
         # device up through Python on every call).
         self.native_with = hasattr(torch.Stream, "__enter__")
+        self._dtypes: dict = {}  # PyTorch's dtype of each NumPy dtype met
 
     def ordinal(self, buffers):
         """The GPU of the call's buffers, or None where all are host
@@ -245,6 +246,39 @@ class Foreign(GpuAdapter):
                 and got.shape == view.shape):
             return got  # the common case, without the NumPy dtype lookups
         return super().output(i, got, view)
+
+    def write(self, i, b, got, stream, tokens):
+        # The common case in one driver call: fn's own dense CUDA tensor of
+        # the output's exact dtype and shape, copied by cuMemcpyDtoDAsync on
+        # XLA's stream (the current one, behind fn's kernels, as copy_ would
+        # be), with no view of XLA's buffer and no PyTorch dispatch.  A lazy
+        # conjugate or negation is not in its memory: those take copy_.
+        torch = self.torch
+        if (stream is not None and type(got) is torch.Tensor and got.is_cuda
+                and got.layout == torch.strided and got.shape == b.shape
+                and got.dtype == self._same_dtype(b.dtype) and got.is_contiguous()
+                and not got.is_conj() and not got.is_neg()
+                and got.get_device() == stream.device_index):
+            n = got.nbytes
+            if not n:
+                return
+            src = got.data_ptr()
+            dst = ext.capsule_info(b.__dlpack__())["data"]
+            if src == dst:  # fn returned the aliased input itself
+                return
+            if not (src < dst + n and dst < src + n):  # overlapping: copy_ refuses or stages
+                ext.copy_async(stream.device_index, dst, src, n, stream.cuda_stream)
+                return
+        super().write(i, b, got, stream, tokens)
+
+    def _same_dtype(self, dtype):
+        """PyTorch's dtype of a NumPy dtype, None where it has none."""
+        try:
+            return self._dtypes[dtype]
+        except KeyError:
+            t = getattr(self.torch, np.dtype(dtype).name, None)
+            t = self._dtypes[dtype] = t if isinstance(t, self.torch.dtype) else None
+            return t
 
     def copy_into(self, view, got, stream):
         if isinstance(got, self.torch.Tensor):
