@@ -15,6 +15,7 @@ from jax_overlay import _vocab  # device codes, alignment rules (probe_call_cost
 from jax_overlay import _xla_ext  # the native core: parse_cai, plan_*_import, order_after, capsules, ...
 from jax_overlay.doctor import JAX_N, cycles, jax_fill, spin_fill, torch_sleep  # busy producers
 from jax_overlay.peers import cupy as _cupy_peer
+from jax_overlay.peers._base import Adapter  # probe_foreign: Adapter.write, the output through a view
 
 
 def cupy_stream(cupy, handle, device_id=-1):

@@ -33,7 +33,9 @@ lone call waits beyond the work itself.
 
 from __future__ import annotations
 
+import copy
 import cProfile
+import functools
 import io
 import pstats
 import statistics
@@ -46,7 +48,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 import jax_overlay
-from _internals import _foreign
+from _internals import Adapter, _foreign
 
 # Time spent inside the Python callback, per case: what the mechanism costs
 # around it is the end-to-end time less this.
@@ -144,6 +146,18 @@ def _torch_cases(x, gpu):
     return ("torch", bare, lambda a: a * 2, into, in_place, control, control_in_place), env
 
 
+def _through_view(fn, framework, spec):
+    """foreign's call with its output written as before the native copy: a
+    view of XLA's buffer and the library's own copy (Adapter.write), the
+    same callback otherwise: the A/B of PyTorch's one-cuMemcpy output."""
+    adapter = copy.copy(_foreign._adapter(framework))
+    adapter.write = functools.partial(Adapter.write, adapter)
+    one = jax.tree_util.tree_structure((0,))
+    cb = _foreign._make_callback(fn, adapter, one, jax.tree_util.tree_structure(0), False)
+    f = buffer_callback(_timed(f"foreign {framework}, output through copy_", cb), [spec])
+    return jax.jit(lambda v: f(v)[0])  # flat outputs, as foreign's own call
+
+
 def _chained(f):
     """jit(f) with its input donated, as a step of a chain: each call's
     output is the next call's input (the values double; the work does not
@@ -212,6 +226,8 @@ def main():
             input_output_aliases={0: 0})),
         "pure_callback": jax.jit(lambda v: jax.pure_callback(lambda h: np.asarray(h) * 2, spec, v)),
     }
+    if framework == "torch":  # (on the CPU backend both take copy_: a control)
+        cases[f"foreign {framework}, output through copy_"] = _through_view(fn, framework, spec)
     try:  # the foreign callbacks are made on the first call: time them
         for k, f in cases.items():
             _foreign._make_callback = _named(k, make)
