@@ -236,6 +236,42 @@ def test_dtypes_0d_and_zero_size(framework):
             assert bool(jnp.array_equal(got, x + x)), (dtype, shape)
 
 
+def test_torch_outputs_each_way_they_are_written():
+    """PyTorch's outputs reach XLA's buffers right whether they take the one
+    cuMemcpy (fn's own dense tensor of the exact dtype and shape) or a view
+    and copy_ (everything else): lazy conjugates and negations, transposes,
+    CPU tensors, another dtype's bytes, an input returned as it is, with
+    and without the input aliased to the output."""
+    torch = _torch()
+    c = (jnp.arange(6.0) + 1j * jnp.arange(6.0)).astype(jnp.complex64).reshape(2, 3)
+    x = jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4)
+    sq = jnp.arange(16.0, dtype=jnp.float32).reshape(4, 4)
+    cases = [
+        ("dense", x, lambda t: t * 2, np.asarray(x) * 2),
+        ("lazy conjugate", c, lambda t: t.conj(), np.conj(np.asarray(c))),
+        ("lazy negation", c, lambda t: torch._neg_view(t), -np.asarray(c)),
+        ("transposed", sq, lambda t: t.t(), np.asarray(sq).T),
+        ("on the CPU", x, lambda t: (t * 3).cpu(), np.asarray(x) * 3),
+        ("the input itself", x, lambda t: t, np.asarray(x)),
+        ("an offset view", jnp.arange(8.0, dtype=jnp.float32),
+         lambda t: torch.cat([t, t])[3:11], np.r_[np.arange(3.0, 8.0), np.arange(3.0)]),
+    ]
+    for name, a, fn, want in cases:
+        f = jax.jit(jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=SAME))
+        got = f(a)
+        assert got.dtype == a.dtype and got.shape == a.shape, name
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+    # The output buffer is the input's: fn returning it copies nothing.
+    g = jax.jit(jax_overlay.foreign(lambda t: t, framework="torch", result_shape_dtypes=SAME,
+                                    input_output_aliases={0: 0}), donate_argnums=0)
+    np.testing.assert_array_equal(np.asarray(g(x + 0)), np.asarray(x))
+    # A wrong dtype or shape is still refused, naming both.
+    for fn in (lambda t: t.double(), lambda t: t[:2]):
+        with pytest.raises(Exception, match="result_shape_dtypes says"):  # XLA's runtime error
+            jax.jit(jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=SAME))(
+                x).block_until_ready()
+
+
 def test_torch_out_true_and_python_scalar_outputs():
     torch = _torch()
 
