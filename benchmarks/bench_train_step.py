@@ -48,6 +48,15 @@ sys.path.insert(0, os.path.join(harness.ROOT, "tests"))  # workloads.py: the tes
 from workloads import LR, jax_mlp, mlp_params, sgd, torch_mlp  # noqa: E402
 
 CONTROL = "torch eager"
+RUNS = [0]  # the replayed model's Python runs (traces, and the checks' first calls)
+STEPS: dict = {}  # steps taken, by case
+
+
+def _counted(model):
+    def counted(*args):
+        RUNS[0] += 1
+        return model(*args)
+    return counted
 
 
 def cases(batch, features, hidden, check):
@@ -57,10 +66,11 @@ def cases(batch, features, hidden, check):
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     spec = jax.ShapeDtypeStruct((), jnp.float32)
 
-    def jax_arm(step):
+    def jax_arm(step, name=""):
         state = [list(p0)]
 
         def run():
+            STEPS[name] = STEPS.get(name, 0) + 1
             v, state[0] = step(x, *state[0])
             jax.block_until_ready(state[0])
         return run
@@ -79,11 +89,11 @@ def cases(batch, features, hidden, check):
                                 vjp="autograd")
     redo = jax_overlay.foreign(torch_mlp, framework="torch", result_shape_dtypes=spec,
                                vjp="autograd", recompute=True)
-    replay = jax_overlay.foreign(torch_mlp, framework="torch", result_shape_dtypes=spec,
+    replay = jax_overlay.foreign(_counted(torch_mlp), framework="torch", result_shape_dtypes=spec,
                                  vjp="autograd", replay=True)
     out = {CONTROL: torch_eager, "jax": jax_arm(sgd(jax_mlp)),
            "foreign saved": jax_arm(sgd(saved)), "foreign recompute": jax_arm(sgd(redo)),
-           "foreign replay": jax_arm(sgd(replay))}
+           "foreign replay": jax_arm(sgd(replay), "foreign replay")}
     # One step of each from the same parameters: the same loss and update.
     with jax.default_matmul_precision("highest" if check else None):
         want = sgd(jax_mlp)(x, *p0)
@@ -126,6 +136,7 @@ def main():
         harness.ratios(samples, "foreign saved", "foreign recompute"))
     res["control_range_us"] = [min(samples[CONTROL]), max(samples[CONTROL])]
     res["samples"] = samples
+    res["replay_model_runs"] = {"runs": RUNS[0], "steps": STEPS.get("foreign replay", 0)}
     meta = harness.meta()
     env = (f"{meta.get('device')}, jax {jax.__version__}, torch {torch.__version__}, "
            f"Python {meta['python']}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
@@ -139,7 +150,9 @@ def main():
             for k in res["us"]]),
         *[f"{k}: unavailable: {why}" for k, why in res["unavailable"].items()],
         f"foreign saved / foreign recompute: {res['saved_over_recompute']:.3f} (median of "
-        f"per-round ratios); control (torch eager) {lo:.1f}-{hi:.1f} µs across rounds"])
+        f"per-round ratios); control (torch eager) {lo:.1f}-{hi:.1f} µs across rounds",
+        f"foreign replay: the model's Python ran {RUNS[0]} times in "
+        f"{STEPS.get('foreign replay', 0)} steps (each trace; warm-ups and checks included)"])
     print(text)
     tag = "" if default else f"-{batch}x{features}x{hidden}"
     harness.save(os.path.join(args.out, f"train-step{tag}.json"), {"results": res, "meta": meta})
