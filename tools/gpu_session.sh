@@ -280,7 +280,12 @@ case "${1:-}" in
     # time goes (cProfile inside the callback), beside the bare callback.
     timeout -s INT 90 "$PY" benchmarks/probe_foreign.py --backend gpu --rounds 5 --calls 200 \
       --profile 3000 --top 40 >"$O/foreign-profile.txt" 2>&1
-    echo "foreign profile exit status $?" >>"$O/foreign-profile.txt"; head -14 "$O/foreign-profile.txt"; tarball
+    echo "foreign profile exit status $?" >>"$O/foreign-profile.txt"; head -16 "$O/foreign-profile.txt"; tarball
+    # Issue 40's MLP step under replay: its time, and whether the model's
+    # Python ran beyond the first traces (re-traces per step).
+    timeout -s INT 120 "$PY" benchmarks/bench_train_step.py --rounds 5 --calls 100 --out "$O" \
+      >"$O/train-step-replay.txt" 2>&1; echo "train step exit status $?" >>"$O/train-step-replay.txt"
+    tail -12 "$O/train-step-replay.txt"; tarball
   fi
   BUDGET=$(( ${CALL_S:-560} - SECONDS ))
   if [ "$BUDGET" -gt 40 ]; then
