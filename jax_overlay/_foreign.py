@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -150,13 +151,17 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False):
         in_tree = None
     if out_tree == _LEAF:
         out_tree = None
-    # The memory of fn's traces (pools, allocations), by the addresses of
-    # the outputs they write, never released: a trace can be replayed by
-    # every executable that holds this callback, so for as long as this
-    # callback lives.  Traces share memory only where they write the same
-    # outputs, which XLA never runs at once; a trace made again for the
-    # same addresses reuses it.
+    # The memory of fn's traces (pools, allocations), never released: a
+    # trace can be replayed by every executable that holds this callback,
+    # so for as long as this callback lives.  Traces may share memory only
+    # where XLA never runs them at once.  By default XLA's command buffer
+    # runs its commands one after another, so every trace on a GPU shares
+    # one pool: a call whose buffers move every time (results kept) traces
+    # again each call, and must not take new memory each time.  Where XLA
+    # is told to run commands concurrently, only the traces that write
+    # the same outputs share (one command's, never run at once).
     kept: dict = {}
+    serial = _commands_run_one_at_a_time()
 
     def callback(ctx, outs, *args):
         ordinal = adapter.ordinal((*outs, *args))
@@ -172,7 +177,8 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False):
             try:
                 scope = _NOT_TRACED
                 if traced:
-                    key = (ordinal, *(buffer_facts(b)[0] for b in (outs or args)))
+                    key = ordinal if serial else (
+                        ordinal, *(buffer_facts(b)[0] for b in (outs or args)))
                     scope = adapter.capture(kept.setdefault(key, []))
                 with scope:
                     _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens)
@@ -195,6 +201,23 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False):
                 _kept(tokens)
                 break
     return callback
+
+
+@functools.cache
+def _commands_run_one_at_a_time():
+    """Whether XLA's command buffers run their commands one after another:
+    its default scheduling (LHS: each command after the one before), unless
+    XLA_FLAGS asks for concurrent commands.  Read once, as XLA reads its
+    flags once.  (Compiler options passed to one jit are not seen here:
+    FOREIGN.md says not to ask for concurrent scheduling there.)"""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.lstrip("-").partition("=")
+        if name == "xla_gpu_command_buffer_scheduling_mode" and value.upper() in (
+                "CONCURRENT", "CONCURRENT_REGIONS"):
+            return False
+        if name == "xla_gpu_graph_enable_concurrent_region" and value.lower() in ("", "true", "1"):
+            return False
+    return True
 
 
 def _capturing(ordinal, ctx):

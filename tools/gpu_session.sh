@@ -254,7 +254,14 @@ case "${1:-}" in
       timeout -s INT 150 "$PY" benchmarks/bench_replay.py --rounds 3 --calls 200 \
       --out "$O/replay-sepcolor" >"$O/replay-sepcolor.txt" 2>&1
     echo "replay sepcolor exit status $?" >>"$O/replay-sepcolor.txt"
-    grep -E "kept|ran|exit status" "$O/replay-sepcolor.txt" | cut -c1-200; tarball
+    grep -E "kept|ran|reserved|exit status" "$O/replay-sepcolor.txt" | cut -c1-200; tarball
+    # The other lever: temporaries at fixed virtual addresses (XLA's VMM
+    # allocator), where the flag exists.
+    XLA_FLAGS="--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_update_mode=SKIP_TEMP" \
+      timeout -s INT 120 "$PY" benchmarks/bench_replay.py --rounds 3 --calls 200 \
+      --out "$O/replay-skiptemp" >"$O/replay-skiptemp.txt" 2>&1
+    echo "replay skiptemp exit status $?" >>"$O/replay-skiptemp.txt"
+    grep -E "kept|ran|reserved|exit status|rror" "$O/replay-skiptemp.txt" | cut -c1-200 | head -20; tarball
     if [ "${REPLAY:-1}" != 0 ]; then
       JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 10 100 "$PY" -m pytest -q -rfs -p no:cacheprovider \
         tests/gpu/test_foreign_replay_gpu.py >"$O/replay-tests-loaded.txt" 2>&1

@@ -150,9 +150,10 @@ class Adapter:
         Python, so memory the library freed and handed to other arrays
         after the trace would be overwritten.  `memory` is this trace's
         list, kept as long as any executable can replay it, and shared
-        with the traces that write the same output buffers (never run at
-        once): a pool made into it once serves them all.  The default
-        keeps nothing: for a library that does not allocate on the device."""
+        with every trace that XLA never runs at the same time as this one
+        (by default all of the callback's on this GPU): a pool made into
+        it once serves them all.  The default keeps nothing: for a library
+        that does not allocate on the device."""
         return contextlib.nullcontext()
 
 

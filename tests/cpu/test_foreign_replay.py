@@ -96,7 +96,8 @@ def test_without_replay_there_is_no_capture(traced):
     assert "capture" not in traced.log
 
 
-def test_what_each_trace_keeps_stays_with_the_callback(traced, monkeypatch):
+@pytest.mark.parametrize("serial", [True, False], ids=["commands-one-at-a-time", "concurrent"])
+def test_what_each_trace_keeps_stays_with_the_callback(traced, monkeypatch, serial):
     made = []
     real = _foreign._make_callback
 
@@ -105,19 +106,49 @@ def test_what_each_trace_keeps_stays_with_the_callback(traced, monkeypatch):
         made.append(cb)
         return cb
     monkeypatch.setattr(_foreign, "_make_callback", spy)
+    monkeypatch.setattr(_foreign, "_commands_run_one_at_a_time", lambda: serial)
     f = jax.jit(jax_overlay.foreign(lambda x: x * 3, framework="torch",
                                     result_shape_dtypes=lambda x: x, replay=True))
     outs = [f(on_cpu(jnp.full(2, i, jnp.float32))) for i in range(3)]  # all alive: 3 outputs
     jax.block_until_ready(outs)
     (cb,) = made
     kept = next(c.cell_contents for c in cb.__closure__ if isinstance(c.cell_contents, dict))
-    # One memory per output buffer, each the list its trace was given, and
-    # none dropped: the callback holds them while it lives.
-    assert len(kept) == 3 and len(traced.memories) == 3
+    assert len(traced.memories) == 3  # a trace each call: the outputs moved
+    if serial:
+        # XLA runs one command at a time: every trace on the device shares
+        # one memory (a pool made once), however often the outputs move.
+        (memory,) = kept.values()
+        assert all(m is memory for m in traced.memories)
+        assert memory == ["trace"] * 3
+        return
+    # Concurrent commands: one memory per output buffer, each the list its
+    # trace was given, and none dropped: the callback holds them while it lives.
+    assert len(kept) == 3
     assert sorted(map(id, kept.values())) == sorted(map(id, traced.memories))
     assert all(m == ["trace"] for m in kept.values())
     ptrs = {o.unsafe_buffer_pointer() for o in outs}
     assert {k[1] for k in kept} == ptrs  # keyed by the output buffers' addresses
+
+
+@pytest.mark.parametrize("flags, serial", [
+    ("", True),
+    ("--xla_gpu_graph_min_graph_size=1", True),
+    ("--xla_gpu_command_buffer_scheduling_mode=LHS", True),
+    ("--xla_gpu_command_buffer_scheduling_mode=SERIALIZE", True),
+    ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT", False),
+    ("--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_scheduling_mode=concurrent_regions",
+     False),
+    ("--xla_gpu_graph_enable_concurrent_region=true", False),
+    ("--xla_gpu_graph_enable_concurrent_region", False),
+    ("--xla_gpu_graph_enable_concurrent_region=false", True),
+])
+def test_concurrent_commands_are_read_from_xla_flags(monkeypatch, flags, serial):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    _foreign._commands_run_one_at_a_time.cache_clear()
+    try:
+        assert _foreign._commands_run_one_at_a_time() is serial
+    finally:
+        _foreign._commands_run_one_at_a_time.cache_clear()
 
 
 def test_an_error_while_traced_names_replay_false(traced):

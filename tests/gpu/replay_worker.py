@@ -161,6 +161,70 @@ def case_kept():
             "distinct_outputs": len({k.unsafe_buffer_pointer() for k in kept})}
 
 
+def case_kept_memory():
+    """300 calls whose results are all kept, fn allocating 8 MiB of
+    temporaries: a trace each call, each result right, and the traces'
+    memory (PyTorch's reserved) after 20 calls and after all 300."""
+    import torch
+    fn, runs = counted(lambda x: torch.sin(x) * 2 + 1)
+    f = jax.jit(jax_overlay.foreign(fn, framework="torch", replay=True,
+                                    result_shape_dtypes=lambda x: x))
+    x = jnp.linspace(0, 1, N, dtype=jnp.float32)
+    want = np.sin(np.asarray(x)) * 2 + 1
+    kept = [f(x) for _ in range(20)]
+    jax.block_until_ready(kept)
+    early = torch.cuda.memory_reserved()
+    kept += [f(x) for _ in range(280)]
+    jax.block_until_ready(kept)
+    late = torch.cuda.memory_reserved()
+    wrong = sum(not np.allclose(np.asarray(k), want, rtol=1e-5, atol=1e-6) for k in kept)
+    return {"calls": len(kept), "wrong": wrong, "python_runs": len(runs),
+            "distinct_outputs": len({k.unsafe_buffer_pointer() for k in kept}),
+            "reserved_after_20_mib": early / 2**20, "reserved_after_300_mib": late / 2**20}
+
+
+# Counts how many probes run at once: each raises `active` for about a
+# millisecond and records the most it saw in `peak`.
+_PROBE = r"""
+extern "C" __global__ void probe(int* active, int* peak, long long spin) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  atomicMax(peak, atomicAdd(active, 1) + 1);
+  long long t0 = clock64();
+  while (clock64() - t0 < spin) {}
+  atomicMax(peak, atomicAdd(active, 0));
+  atomicSub(active, 1);
+}
+"""
+
+
+def case_commands_at_once():
+    """Two replayed foreign calls of one program on independent inputs, each
+    a 1 ms probe kernel: the most that ran at the same time over 50 calls,
+    and whether jax_overlay reads XLA's flags as commands one at a time."""
+    import cupy
+    probe = cupy.RawKernel(_PROBE, "probe")
+    active, peak = cupy.zeros(1, cupy.int32), cupy.zeros(1, cupy.int32)
+
+    def fn(x):
+        probe((1,), (1,), (active, peak, np.int64(2_000_000)))  # on XLA's stream
+        return x + 1
+    fn, runs = counted(fn)
+    f = jax_overlay.foreign(fn, framework="cupy", replay=True, result_shape_dtypes=lambda x: x)
+    g = jax.jit(lambda a, b: (f(a) * 2, f(b) * 3))
+    a, b = jnp.zeros(1024, jnp.float32), jnp.ones(1024, jnp.float32)
+    for _ in range(3):  # run, trace, replay
+        jax.block_until_ready(g(a, b))
+    cupy.cuda.Device().synchronize()
+    peak[...] = 0
+    cupy.cuda.Device().synchronize()
+    outs = [g(a, b) for _ in range(50)]
+    jax.block_until_ready(outs)
+    cupy.cuda.Device().synchronize()
+    wrong = sum(not (np.all(np.asarray(p) == 2) and np.all(np.asarray(q) == 6)) for p, q in outs)
+    return {"peak": int(peak.get()[0]), "wrong": wrong, "python_runs": len(runs),
+            "one_at_a_time": _foreign._commands_run_one_at_a_time()}
+
+
 def case_cupy_pooled():
     return _allocating("cupy", True)
 
