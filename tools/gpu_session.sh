@@ -244,9 +244,11 @@ case "${1:-}" in
       >"$O/suite-n4-loaded.txt" 2>&1
     echo "suite exit status $?" >>"$O/suite-n4-loaded.txt"; tarball
     grep -E "^(FAILED|ERROR)|passed|failed" "$O/suite-n4-loaded.txt" | cut -c1-240 | tail -25
-    timeout -s INT 100 "$PY" benchmarks/probe_resync.py --arrays 200 --rounds "${RESYNC_ROUNDS:-11}" \
-      --json "$O/resync-200.json" >"$O/resync-200.txt" 2>&1
-    echo "resync 200 exit status $?" >>"$O/resync-200.txt"; tail -32 "$O/resync-200.txt"; tarball
+    if [ "${REPLAY:-1}" != 0 ]; then
+      JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 10 150 "$PY" -m pytest -q -rfs -p no:cacheprovider \
+        tests/gpu/test_foreign_replay_gpu.py >"$O/replay-tests-loaded.txt" 2>&1
+      echo "replay tests exit status $?" >>"$O/replay-tests-loaded.txt"; tail -6 "$O/replay-tests-loaded.txt"; tarball
+    fi
     # Issue 40's kept results: with XLA's temporaries in a pool of their own
     # (--xla_gpu_temp_buffer_use_separate_color), does the "sliced" arm's
     # trace (fn's output an XLA temporary) stay put while results are kept?
@@ -255,6 +257,9 @@ case "${1:-}" in
       --out "$O/replay-sepcolor" >"$O/replay-sepcolor.txt" 2>&1
     echo "replay sepcolor exit status $?" >>"$O/replay-sepcolor.txt"
     grep -E "kept|ran|reserved|exit status" "$O/replay-sepcolor.txt" | cut -c1-200; tarball
+    timeout -s INT 100 "$PY" benchmarks/probe_resync.py --arrays 200 --rounds "${RESYNC_ROUNDS:-11}" \
+      --json "$O/resync-200.json" >"$O/resync-200.txt" 2>&1
+    echo "resync 200 exit status $?" >>"$O/resync-200.txt"; tail -32 "$O/resync-200.txt"; tarball
     # The other lever: temporaries at fixed virtual addresses (XLA's VMM
     # allocator), where the flag exists.
     XLA_FLAGS="--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_update_mode=SKIP_TEMP" \
@@ -262,11 +267,6 @@ case "${1:-}" in
       --out "$O/replay-skiptemp" >"$O/replay-skiptemp.txt" 2>&1
     echo "replay skiptemp exit status $?" >>"$O/replay-skiptemp.txt"
     grep -E "kept|ran|reserved|exit status|rror" "$O/replay-skiptemp.txt" | cut -c1-200 | head -20; tarball
-    if [ "${REPLAY:-1}" != 0 ]; then
-      JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 10 100 "$PY" -m pytest -q -rfs -p no:cacheprovider \
-        tests/gpu/test_foreign_replay_gpu.py >"$O/replay-tests-loaded.txt" 2>&1
-      echo "replay tests exit status $?" >>"$O/replay-tests-loaded.txt"; tail -6 "$O/replay-tests-loaded.txt"; tarball
-    fi
   elif [ "$K" = 1 ]; then
     for t in base main; do
       timeout 100 "$PY" tools/jax_interop.py "build/jax_interop_src/$t" --python "$PY" \
