@@ -110,9 +110,8 @@ class Adapter:
     """What ``foreign()`` asks of a library's adapter, per call: the device
     of the call's buffers (`ordinal`), entering and leaving the library's
     stream (`enter`, `exit`), views of XLA's buffers (`view`), fn's outputs
-    checked (`output`) and copied into XLA's (`copy_into`, through `write`),
-    and the memory
-    a replay's trace keeps (`capture`)."""
+    checked (`output`) and copied into XLA's (`copy_into`, through
+    `write`), and the memory a replay's trace keeps (`capture`)."""
 
     name = ""
     array: type | None = None  # the exact type of the library's arrays: a pytree leaf
