@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -140,13 +141,15 @@ def _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens):
 _LEAF = jax.tree_util.tree_structure(0)
 
 
-def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False):
+def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False, shapes=None):
     """The buffer_callback body.  It is given flat leaves (`call` flattens
     both sides, so jax's own unflattening is a tuple's): `in_tree` and
     `out_tree` are unflattened here only when fn's pytrees are not already
     that (a tuple of arrays in, one array out).  With `replay`, a call
     that finds XLA's stream captured is a trace: fn's work is recorded
-    into XLA's CUDA graph, which XLA replays with no Python."""
+    into XLA's CUDA graph, which XLA replays with no Python.  `shapes`:
+    the outputs' own shapes where XLA's output buffers are padded (see
+    _caller): fn sees the start of each, in its own shape."""
     if in_tree == jax.tree_util.tree_structure((0,) * in_tree.num_leaves):
         in_tree = None
     if out_tree == _LEAF:
@@ -164,6 +167,8 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False):
     serial = _commands_run_one_at_a_time()
 
     def callback(ctx, outs, *args):
+        if shapes is not None:
+            outs = [_Start(b, shape) for b, shape in zip(outs, shapes)]
         ordinal = adapter.ordinal((*outs, *args))
         tokens: list = []
         stack = _local.__dict__.setdefault("streams", [])  # foreign_stream()'s
@@ -218,6 +223,41 @@ def _commands_run_one_at_a_time():
         if name == "xla_gpu_graph_enable_concurrent_region" and value.lower() in ("", "true", "1"):
             return False
     return True
+
+
+@functools.cache
+def _temporaries_stay_put():
+    """Whether XLA_FLAGS keeps XLA's temporaries at one address from call
+    to call (their own pool, or fixed virtual addresses): then a replayed
+    call whose outputs are temporaries keeps its trace while the caller
+    keeps every result."""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.lstrip("-").partition("=")
+        if name == "xla_gpu_temp_buffer_use_separate_color" and value.lower() in ("", "true", "1"):
+            return True
+        if name == "xla_gpu_command_buffer_update_mode" and value.upper() in (
+                "SKIP_TEMP", "SKIP_PROFILED"):
+            return True
+    return False
+
+
+class _Start:
+    """XLA's padded output buffer as the output fn writes: its first
+    elements, in the output's own shape (what views and copies read)."""
+
+    __slots__ = ("_b", "shape", "dtype")
+
+    def __init__(self, b, shape):
+        self._b, self.shape, self.dtype = b, shape, b.dtype
+
+    def __dlpack_device__(self):
+        return self._b.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        info = ext.capsule_info(self._b.__dlpack__())
+        # No owner: the buffer is XLA's for the call, as its own capsule's.
+        return ext.raw_capsule(None, info["data"], self.shape, None, info["dtype"],
+                               *info["device"])
 
 
 def _capturing(ordinal, ctx):
@@ -415,11 +455,16 @@ def _caller(fn, framework, result_shape_dtypes, vmap_method, out, input_output_a
     buffer_callback per input structure and result spec, compiled once."""
 
     @functools.lru_cache(maxsize=64)
-    def _compiled(in_tree, out_spec_key, aliases):
+    def _compiled(in_tree, out_spec_key, aliases, padded):
         out_tree, out_specs = out_spec_key
         from jax.experimental.buffer_callback import buffer_callback
+        shapes = None
+        if padded:
+            shapes = [tuple(o.shape) for o in out_specs]
+            out_specs = [jax.ShapeDtypeStruct((math.prod(o.shape) + 1,), o.dtype)
+                         for o in out_specs]
         # The framework is imported on the first call, not when fn is wrapped.
-        cb = _make_callback(fn, _adapter(framework), in_tree, out_tree, out, replay)
+        cb = _make_callback(fn, _adapter(framework), in_tree, out_tree, out, replay, shapes)
         # Flat on both sides: the callback gets XLA's buffers as leaves.
         # command_buffer_compatible only with replay=True: otherwise fn's
         # Python runs on every call, never once into a CUDA graph that XLA
@@ -437,10 +482,21 @@ def _caller(fn, framework, result_shape_dtypes, vmap_method, out, input_output_a
         in_leaves, in_tree = jax.tree_util.tree_flatten(args)
         aliases = (() if input_output_aliases is None
                    else _aliases(input_output_aliases, in_leaves, out_leaves))
+        # A replayed call keeps its trace only while its buffers stay put,
+        # and a result the caller keeps is a new buffer each call.  Where
+        # XLA's temporaries stay put (XLA_FLAGS), fn writes temporaries one
+        # element longer than its outputs, and XLA copies each output's
+        # elements out of them into the result: the trace then holds.  Not
+        # under a batching vmap method (its buffers' starts are not one
+        # block) or with aliases (an output is then an input's buffer).
+        padded = (replay and not aliases and framework != "numpy" and vmap_method in (
+            None, "sequential", "sequential_unrolled") and _temporaries_stay_put())
         try:
-            flat = _compiled(in_tree, (out_tree, tuple(out_leaves)), aliases)(*in_leaves)
+            flat = _compiled(in_tree, (out_tree, tuple(out_leaves)), aliases, padded)(*in_leaves)
         except Exception as e:
             raise _explained(e, fn) from e
+        if padded:
+            flat = [y[:math.prod(o.shape)].reshape(o.shape) for y, o in zip(flat, out_leaves)]
         return jax.tree_util.tree_unflatten(out_tree, flat)
     return call
 

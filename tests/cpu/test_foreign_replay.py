@@ -260,3 +260,107 @@ def test_autograd_with_replay_recomputes():
     # kept (a replayed trace could not find it).
     assert len(runs) == 2
     assert f.saved.waiting() == 0
+
+
+# Where XLA_FLAGS keeps XLA's temporaries put, a replayed call writes
+# temporaries one element longer than its outputs and XLA copies the
+# outputs out of them (so results the caller keeps do not move the trace):
+# the padded path, here with the flag's reading stubbed.
+
+@pytest.fixture
+def padded(traced, monkeypatch):
+    monkeypatch.setattr(_foreign, "_temporaries_stay_put", lambda: True)
+    return traced
+
+
+def _callback_shapes(f, *args):
+    """The shapes of the buffers XLA gives the callback, from the jaxpr."""
+    jaxpr = jax.make_jaxpr(f)(*args)
+    eqns = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "buffer_callback"]
+    if not eqns:  # inside the pjit of the foreign call
+        inner = [e.params["jaxpr"] for e in jaxpr.jaxpr.eqns if "jaxpr" in e.params]
+        eqns = [e for j in inner for e in j.jaxpr.eqns if e.primitive.name == "buffer_callback"]
+    (e,) = eqns
+    return [tuple(v.aval.shape) for v in e.outvars]
+
+
+def test_padded_outputs_are_the_outputs_values(padded):
+    def fn(x, y):
+        return {"sum": x + y, "scalar": np.asarray(x.sum()), "empty": np.zeros((0, 3), np.int32),
+                "flags": x > 2}
+
+    def spec(x, y):
+        return {"sum": x, "scalar": jax.ShapeDtypeStruct((), x.dtype),
+                "empty": jax.ShapeDtypeStruct((0, 3), jnp.int32),
+                "flags": jax.ShapeDtypeStruct(x.shape, jnp.bool_)}
+    f = jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=spec, replay=True)
+    x = on_cpu(jnp.arange(35.0, dtype=jnp.float32).reshape(5, 7))
+    y = on_cpu(jnp.ones((5, 7), jnp.float32))
+    assert sorted(_callback_shapes(f, x, y)) == sorted([(1,), (36,), (36,), (2,)])
+    got = jax.jit(f)(x, y)
+    want = fn(np.asarray(x), np.asarray(y))
+    for k in want:
+        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+        np.testing.assert_array_equal(np.asarray(got[k]), want[k], err_msg=k)
+
+
+def test_padded_out_true_views_have_the_outputs_shape(padded):
+    seen = []
+
+    def fn(x, *, out):
+        seen.append(out.shape)
+        np.multiply(x, 3, out=out)
+    f = jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=lambda x: x, out=True,
+                            replay=True)
+    x = on_cpu(jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4))
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), np.asarray(x) * 3)
+    assert seen == [(3, 4)]
+
+
+def test_padded_wrong_outputs_name_the_outputs_own_shape(padded):
+    f = jax_overlay.foreign(lambda x: x[:2], framework="torch",
+                            result_shape_dtypes=lambda x: x, replay=True)
+    with pytest.raises(Exception, match=r"float32\[2\].*says float32\[3\]"):
+        jax.jit(f)(on_cpu(jnp.ones(3, jnp.float32))).block_until_ready()
+
+
+def test_padded_under_sequential_vmap_and_not_where_it_cannot_be(padded):
+    x = on_cpu(jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4))
+    seq = jax_overlay.foreign(lambda v: v[::-1].copy(), framework="torch",
+                              result_shape_dtypes=lambda v: v, vmap_method="sequential",
+                              replay=True)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(seq))(x)), np.asarray(x)[:, ::-1])
+    assert _callback_shapes(seq, x[0]) == [(5,)]
+    # Batched buffers (expand_dims), an aliased output, no replay, no flag:
+    # the outputs as they are.
+    exp = jax_overlay.foreign(lambda v: v[..., ::-1].copy(), framework="torch",
+                              result_shape_dtypes=lambda v: v, vmap_method="expand_dims",
+                              replay=True)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(exp))(x)), np.asarray(x)[:, ::-1])
+    assert _callback_shapes(exp, x[0]) == [(4,)]
+    aliased = jax_overlay.foreign(lambda v: v + 1, framework="torch",
+                                  result_shape_dtypes=lambda v: v, input_output_aliases={0: 0},
+                                  replay=True)
+    assert _callback_shapes(aliased, x) == [(3, 4)]
+    plain = jax_overlay.foreign(lambda v: v + 1, framework="torch",
+                                result_shape_dtypes=lambda v: v)
+    assert _callback_shapes(plain, x) == [(3, 4)]
+
+
+@pytest.mark.parametrize("flags, put", [
+    ("", False),
+    ("--xla_gpu_graph_min_graph_size=1", False),
+    ("--xla_gpu_temp_buffer_use_separate_color=true", True),
+    ("--xla_gpu_temp_buffer_use_separate_color", True),
+    ("--xla_gpu_temp_buffer_use_separate_color=false", False),
+    ("--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_update_mode=SKIP_TEMP", True),
+    ("--xla_gpu_command_buffer_update_mode=skip_profiled", True),
+    ("--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE", False),
+])
+def test_fixed_temporaries_are_read_from_xla_flags(monkeypatch, flags, put):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    _foreign._temporaries_stay_put.cache_clear()
+    try:
+        assert _foreign._temporaries_stay_put() is put
+    finally:
+        _foreign._temporaries_stay_put.cache_clear()
