@@ -208,6 +208,16 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False, shap
     return callback
 
 
+def _xla_flags():
+    """XLA_FLAGS as {name: value}: the last of each wins, as in XLA; a bare
+    flag (a boolean set) reads "true"."""
+    flags = {}
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, eq, value = flag.lstrip("-").partition("=")
+        flags[name] = value if eq else "true"
+    return flags
+
+
 @functools.cache
 def _commands_run_one_at_a_time():
     """Whether XLA's command buffers run their commands one after another:
@@ -215,14 +225,10 @@ def _commands_run_one_at_a_time():
     XLA_FLAGS asks for concurrent commands.  Read once, as XLA reads its
     flags once.  (Compiler options passed to one jit are not seen here:
     FOREIGN.md says not to ask for concurrent scheduling there.)"""
-    for flag in os.environ.get("XLA_FLAGS", "").split():
-        name, _, value = flag.lstrip("-").partition("=")
-        if name == "xla_gpu_command_buffer_scheduling_mode" and value.upper() in (
-                "CONCURRENT", "CONCURRENT_REGIONS"):
-            return False
-        if name == "xla_gpu_graph_enable_concurrent_region" and value.lower() in ("", "true", "1"):
-            return False
-    return True
+    flags = _xla_flags()
+    mode = flags.get("xla_gpu_command_buffer_scheduling_mode", "").upper()
+    concurrent = flags.get("xla_gpu_graph_enable_concurrent_region", "").lower()
+    return mode not in ("CONCURRENT", "CONCURRENT_REGIONS") and concurrent not in ("true", "1")
 
 
 @functools.cache
@@ -231,14 +237,10 @@ def _temporaries_stay_put():
     to call (their own pool, or fixed virtual addresses): then a replayed
     call whose outputs are temporaries keeps its trace while the caller
     keeps every result."""
-    for flag in os.environ.get("XLA_FLAGS", "").split():
-        name, _, value = flag.lstrip("-").partition("=")
-        if name == "xla_gpu_temp_buffer_use_separate_color" and value.lower() in ("", "true", "1"):
-            return True
-        if name == "xla_gpu_command_buffer_update_mode" and value.upper() in (
-                "SKIP_TEMP", "SKIP_PROFILED"):
-            return True
-    return False
+    flags = _xla_flags()
+    return (flags.get("xla_gpu_temp_buffer_use_separate_color", "").lower() in ("true", "1")
+            or flags.get("xla_gpu_command_buffer_update_mode", "").upper() in (
+                "SKIP_TEMP", "SKIP_PROFILED"))
 
 
 class _Start:

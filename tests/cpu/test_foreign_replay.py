@@ -141,6 +141,9 @@ def test_what_each_trace_keeps_stays_with_the_callback(traced, monkeypatch, seri
     ("--xla_gpu_graph_enable_concurrent_region=true", False),
     ("--xla_gpu_graph_enable_concurrent_region", False),
     ("--xla_gpu_graph_enable_concurrent_region=false", True),
+    # The last of a flag wins, as in XLA.
+    ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT "
+     "--xla_gpu_command_buffer_scheduling_mode=LHS", True),
 ])
 def test_concurrent_commands_are_read_from_xla_flags(monkeypatch, flags, serial):
     monkeypatch.setenv("XLA_FLAGS", flags)
