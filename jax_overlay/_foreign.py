@@ -475,6 +475,16 @@ def _caller(fn, framework, result_shape_dtypes, vmap_method, out, input_output_a
                                input_output_aliases=dict(aliases) or None,
                                command_buffer_compatible=replay)
 
+    # A replayed call keeps its trace only while its buffers stay put, and
+    # a result the caller keeps is a new buffer each call.  Where XLA's
+    # temporaries stay put (XLA_FLAGS), fn writes temporaries one element
+    # longer than its outputs, and XLA copies each output's elements out of
+    # them into the result: the trace then holds.  Not under a batching
+    # vmap method (its buffers' starts are not one block) or with aliases
+    # (an output is then an input's buffer).
+    paddable = (replay and not input_output_aliases and framework != "numpy"
+                and vmap_method in (None, "sequential", "sequential_unrolled"))
+
     def call(*args):
         if not args:
             raise TypeError("a foreign function takes at least one array argument")
@@ -484,15 +494,7 @@ def _caller(fn, framework, result_shape_dtypes, vmap_method, out, input_output_a
         in_leaves, in_tree = jax.tree_util.tree_flatten(args)
         aliases = (() if input_output_aliases is None
                    else _aliases(input_output_aliases, in_leaves, out_leaves))
-        # A replayed call keeps its trace only while its buffers stay put,
-        # and a result the caller keeps is a new buffer each call.  Where
-        # XLA's temporaries stay put (XLA_FLAGS), fn writes temporaries one
-        # element longer than its outputs, and XLA copies each output's
-        # elements out of them into the result: the trace then holds.  Not
-        # under a batching vmap method (its buffers' starts are not one
-        # block) or with aliases (an output is then an input's buffer).
-        padded = (replay and not aliases and framework != "numpy" and vmap_method in (
-            None, "sequential", "sequential_unrolled") and _temporaries_stay_put())
+        padded = paddable and _temporaries_stay_put()
         try:
             flat = _compiled(in_tree, (out_tree, tuple(out_leaves)), aliases, padded)(*in_leaves)
         except Exception as e:

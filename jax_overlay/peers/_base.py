@@ -180,10 +180,14 @@ def buffer_facts(b):
     shape = tuple(b.shape)
     dtype = np.dtype(b.dtype)
     size = math.prod(shape)
-    # The pointer through the buffer's own DLPack capsule (any dtype; its
-    # CAI has no typestr for bfloat16): read, not consumed, then dropped.
-    ptr = ext.capsule_info(b.__dlpack__())["data"] if size else 0
-    return ptr, shape, dtype, size
+    return buffer_pointer(b) if size else 0, shape, dtype, size
+
+
+def buffer_pointer(b):
+    """The device address of an XLA buffer, through its own DLPack capsule
+    (any dtype; its CAI has no typestr for bfloat16): read, not consumed,
+    then dropped."""
+    return ext.capsule_info(b.__dlpack__())["data"]
 
 
 class GpuAdapter(Adapter):

@@ -24,7 +24,7 @@ from .._config import config
 from .._vocab import KDLCPU
 from ..errors import ForeignError, JaxRuntimeError, LayoutCopyRequiredError, like_stock
 from ._registry import register
-from ._base import ForeignEndpoint, GpuAdapter, Peer, ShareEndpoint, token
+from ._base import ForeignEndpoint, GpuAdapter, Peer, ShareEndpoint, buffer_pointer, token
 
 
 class Torch(Peer, ForeignEndpoint, ShareEndpoint):
@@ -217,8 +217,8 @@ class Foreign(GpuAdapter):
         return _allocating_to(self.torch, memory[0])
 
     def dtype(self, dtype):
-        t = getattr(self.torch, dtype.name, None)
-        if not isinstance(t, self.torch.dtype):
+        t = self._same_dtype(dtype)
+        if t is None:
             raise ForeignError(f"PyTorch has no dtype {dtype}")
         return t
 
@@ -263,7 +263,7 @@ class Foreign(GpuAdapter):
             if not n:
                 return
             src = got.data_ptr()
-            dst = ext.capsule_info(b.__dlpack__())["data"]
+            dst = buffer_pointer(b)
             if src == dst:  # fn returned the aliased input itself
                 return
             if not (src < dst + n and dst < src + n):  # overlapping: copy_ refuses or stages

@@ -146,12 +146,17 @@ def test_what_each_trace_keeps_stays_with_the_callback(traced, monkeypatch, seri
      "--xla_gpu_command_buffer_scheduling_mode=LHS", True),
 ])
 def test_concurrent_commands_are_read_from_xla_flags(monkeypatch, flags, serial):
+    assert _read_under(monkeypatch, flags, _foreign._commands_run_one_at_a_time) is serial
+
+
+def _read_under(monkeypatch, flags, reader):
+    """A cached reader of XLA_FLAGS, read afresh under `flags`."""
     monkeypatch.setenv("XLA_FLAGS", flags)
-    _foreign._commands_run_one_at_a_time.cache_clear()
+    reader.cache_clear()
     try:
-        assert _foreign._commands_run_one_at_a_time() is serial
+        return reader()
     finally:
-        _foreign._commands_run_one_at_a_time.cache_clear()
+        reader.cache_clear()
 
 
 def test_an_error_while_traced_names_replay_false(traced):
@@ -361,9 +366,4 @@ def test_padded_under_sequential_vmap_and_not_where_it_cannot_be(padded):
     ("--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE", False),
 ])
 def test_fixed_temporaries_are_read_from_xla_flags(monkeypatch, flags, put):
-    monkeypatch.setenv("XLA_FLAGS", flags)
-    _foreign._temporaries_stay_put.cache_clear()
-    try:
-        assert _foreign._temporaries_stay_put() is put
-    finally:
-        _foreign._temporaries_stay_put.cache_clear()
+    assert _read_under(monkeypatch, flags, _foreign._temporaries_stay_put) is put
