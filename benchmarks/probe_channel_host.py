@@ -7,6 +7,12 @@ small socket messages, so they bound its time from below.  Leaves are
 64 float32 each: the work on the device is negligible, and what is left is
 jit's handling of n arguments (pack) and of n new arrays (unpack).
 
+Beside them, jit's own floor for the same counts: a jitted call taking n
+arrays and returning one ("jit n args"), and one taking one array and
+returning n new ones ("jit n outs"), and a plain jnp.concatenate of the
+leaves ("jit concat": the least a pack into one buffer runs); pack and
+unpack at those are at JAX's floor, and only fewer arrays would go lower.
+
 "control" is jax-free: n NumPy arrays made from one buffer (np.frombuffer
 and a copy each), in every round, so host drift shows in it.  Alternating
 rounds; medians.
@@ -36,11 +42,17 @@ def arms(n, calls):
     for i in (0, n // 2, n - 1):  # the round trip is right before it is timed
         np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(tree[i]))
     raw = np.asarray(packed).tobytes()
+    n_args = jax.jit(lambda xs: xs[0][:1])
+    concat = jax.jit(jnp.concatenate)
+    n_outs = jax.jit(lambda b: [jnp.broadcast_to(b[:4].view(jnp.float32), (64,)) for _ in range(n)])
 
     def control():
         return [np.frombuffer(raw, np.float32, 64, 256 * i).copy() for i in range(n)]
     cases = {"pack": lambda: jax.block_until_ready(pack(tree)),
              "unpack": lambda: jax.block_until_ready(unpack(packed)),
+             "jit n args": lambda: jax.block_until_ready(n_args(tree)),
+             "jit concat": lambda: jax.block_until_ready(concat(tree)),
+             "jit n outs": lambda: jax.block_until_ready(n_outs(packed)),
              "control (no jax)": control}
     return [harness.Arm(k, lambda f=f: harness.per_call_us(f, calls), warm=f,
                         control=k.startswith("control")) for k, f in cases.items()]
@@ -58,7 +70,10 @@ def main():
         med = {k: harness.med(v) for k, v in harness.alternate(arms(n, a.calls), a.rounds).items()}
         result["us"][str(n)] = med
         print(f"{n:5d} leaves: " + "  ".join(f"{k} {v:8.1f}" for k, v in med.items())
-              + f"  | per leaf: pack {med['pack'] / n:.2f}, unpack {med['unpack'] / n:.2f}")
+              + f"  | per leaf: pack {med['pack'] / n:.2f}, unpack {med['unpack'] / n:.2f}"
+              + f"  | pack over jit n args {med['pack'] / med['jit n args']:.2f}x, "
+              f"over jit concat {med['pack'] / med['jit concat']:.2f}x; "
+              f"unpack over jit n outs {med['unpack'] / med['jit n outs']:.2f}x")
     harness.save(a.json, result)
 
 
