@@ -172,7 +172,10 @@ def test_close_frees_the_slots(peer):
     peer.ok("channel_close")
     import time
     deadline = time.monotonic() + 20
-    while ext.pointer_info(base).kind == "device" and time.monotonic() < deadline:
+    # The freeing thread unmaps the slots, then lets go of the events: wait
+    # for both (under load on the H200 the lists were read between them).
+    while ((ext.pointer_info(base).kind == "device" or ch._ready or ch._done)
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     assert ext.pointer_info(base).kind != "device"
     assert ch._ready == [] and ch._done == []
