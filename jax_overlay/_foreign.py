@@ -476,10 +476,10 @@ def _caller(fn, framework, result_shape_dtypes, vmap_method, out, input_output_a
                                command_buffer_compatible=replay)
 
     # A replayed call keeps its trace only while its buffers stay put, and
-    # a result the caller keeps is a new buffer each call.  Where XLA's
-    # temporaries stay put (XLA_FLAGS), fn writes temporaries one element
-    # longer than its outputs, and XLA copies each output's elements out of
-    # them into the result: the trace then holds.  Not under a batching
+    # a result the caller keeps is a new buffer each call.  Where XLA_FLAGS
+    # has XLA not trace again for moved temporaries (SKIP_TEMP), fn writes
+    # temporaries one element longer than its outputs, and XLA copies each
+    # output's elements out of them into the result: the trace then holds.  Not under a batching
     # vmap method (its buffers' starts are not one block) or with aliases
     # (an output is then an input's buffer).
     paddable = (replay and not input_output_aliases and framework != "numpy"

@@ -270,7 +270,8 @@ def test_autograd_with_replay_recomputes():
     assert f.saved.waiting() == 0
 
 
-# Where XLA_FLAGS keeps XLA's temporaries put, a replayed call writes
+# Where XLA_FLAGS has XLA not trace again for moved temporaries
+# (SKIP_TEMP, SKIP_PROFILED), a replayed call writes
 # temporaries one element longer than its outputs and XLA copies the
 # outputs out of them (so results the caller keeps do not move the trace):
 # the padded path, here with the flag's reading stubbed.

@@ -132,10 +132,9 @@ def test_producer_memory_kept_until_jax_frees_it():
 # until the producer was done, with jax_overlay out of the picture
 # (benchmarks/probe_dlpack.py, "inflight scan").  It syncs with a new event
 # per call, created with timing enabled; PyTorch's __dlpack__ and the CAI
-# path (events without timing) passed 3000 calls.  Strict: a CuPy that fixes
-# it turns this into a failure, and the README must then change.
-# Not strict: CuPy blocks only while ~1021 of its syncs are pending at once,
-# and under -n 4 with the GPU loaded (H200, 2026-12-06) fewer were: it passed.
+# path (events without timing) passed 3000 calls.  Not strict: CuPy blocks
+# only while ~1021 of its syncs are pending at once, and under -n 4 with the
+# GPU loaded (H200, 2026-12-06) fewer were, and it passed.
 CUPY_BLOCKS = pytest.mark.xfail(
     strict=False, reason="CuPy's __dlpack__ blocks the host after ~1021 pending syncs")
 

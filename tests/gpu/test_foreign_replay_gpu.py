@@ -15,8 +15,8 @@ for programs of any size; XLA reads them once, when its backend starts.
   the process goes on working;
 * 100 training steps with vjp="autograd" match JAX's;
 * 1,000 calls whose results are all kept: fn traced at most twice (an
-  expected failure: issue 40), and a few times in all where XLA_FLAGS
-  keeps XLA's temporaries put (fn then writes temporaries); 300 such
+  expected failure: issue 40), and a few times in all with SKIP_TEMP in
+  XLA_FLAGS (fn then writes temporaries); 300 such
   calls right, and their traces in one pool (PyTorch's reserved memory
   does not grow per call);
 * two replayed calls of one program never run at once (what the one pool
@@ -86,7 +86,7 @@ def test_kept_results_do_not_retrace():
 
 @pytest.mark.parametrize("flag", ["--xla_gpu_command_buffer_update_mode=SKIP_TEMP"])
 def test_kept_results_keep_the_trace_where_temporaries_stay_put(flag):
-    """With XLA's temporaries at one address from call to call (the flag),
+    """With XLA told not to trace again for moved temporaries (the flag),
     fn writes temporaries and XLA copies the outputs out of them: 1,000
     kept results, each a new allocation, every one right, and fn traced a
     few times in all, not once per call."""
