@@ -129,6 +129,8 @@ def _describe(x: jax.Array, stream: int | None, read_only: bool | None,
         ready = x.is_ready()  # type: ignore[attr-defined]  # an ArrayImpl: _facts checked
         if ready and cacheable:
             rt.remember(x, facts, _ready_facts)
+        elif type(x) is rt.ArrayImpl:
+            rt.remember(x, None, _exported)  # for delete_keeping_exports
     if config.cai_sync and (stream is not None or not ready):
         out_stream = _LEGACY_STREAM if stream is None else stream
         _consumer_waits(x, out_stream)  # the dict cannot hold the reference: dropped
@@ -170,6 +172,49 @@ def _facts(x, host):
 # those facts are kept per array, keyed by id(x).  The weak reference's
 # callback drops the entry when the array dies, before its id can be reused.
 _ready_facts: dict[int, tuple] = {}
+
+
+# Arrays whose CAI was handed out and that _ready_facts does not know (still
+# pending when exported, or host arrays described for tests), by id: a
+# consumer may hold them (delete_keeping_exports).
+_exported: dict[int, tuple] = {}
+# PJRT external references that keep deleted arrays' buffers for their
+# consumers, by id(x): dropped by the weak reference's callback when x dies.
+_kept_for_consumers: dict[int, tuple] = {}
+
+
+def _known_export(x) -> bool:
+    for table in (_ready_facts, _exported):
+        entry = table.get(id(x))
+        if entry is not None and entry[0]() is x:
+            return True
+    return False
+
+
+def delete_keeping_exports(stock_delete):
+    """``jax.Array.delete`` (install()ed): as stock, except that the buffer
+    of an array whose CAI was handed out is freed when the array object
+    dies, not at delete().  The CUDA Array Interface carries no owner: its
+    consumers (CuPy's UnownedMemory, Numba's owner, PyTorch's deleter)
+    keep the *object* x alive, and nothing else, so stock's delete() frees
+    memory a consumer still reads and XLA reuses it (H200, 2026-12-06).
+    The reference is taken at delete(), never at export: held from the
+    export on, it would make PJRT refuse a donation that stock performs."""
+    def delete(self):
+        if type(self) is rt.ArrayImpl and _known_export(self) and not self.is_deleted():
+            # Through the shard (rt._holder): jaxlib aborts on a delete of
+            # an array whose own external reference is held.  A pending
+            # array's reference is taken with an event wait on a side stream,
+            # never a host wait.
+            if self.is_ready():
+                ref = rt.external_reference(self)
+            else:
+                device = next(iter(self.sharding.device_set))
+                ref = rt.order_stream_after(self, rt.ready_stream(device))
+            rt.remember(self, ref, _kept_for_consumers)
+        return stock_delete(self)
+    delete.__doc__ = stock_delete.__doc__
+    return delete
 
 
 def _cai_property(self):

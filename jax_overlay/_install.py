@@ -443,6 +443,7 @@ def _targets():
         (jax.dlpack, "from_dlpack", _from_dlpack),
         (jax, "device_put", _device_put),
         (rt.ArrayImpl, "__cuda_array_interface__", lambda orig: _cai.cai_property),
+        (rt.ArrayImpl, "delete", _cai.delete_keeping_exports),
         (rt.ArrayImpl, "__dlpack__", lambda orig: _method(_dlpack.to_dlpack, orig)),
         (rt.ArrayImpl, "__dlpack_device__", lambda orig: _method(_dlpack.dlpack_device, orig)),
     ]

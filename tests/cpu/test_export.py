@@ -218,3 +218,50 @@ def test_kept_facts_go_with_the_array():
         _cai.cuda_array_interface(y)
     _cai._ready_facts.pop(id(y), None)
     del z
+
+
+_DELETE_WHILE_VIEWED = """
+import ctypes, gc, sys, jax, jax.numpy as jnp, numpy as np, jax_overlay
+from jax_overlay import _cai
+import forge as T
+if sys.argv[1] == "installed":
+    jax_overlay.install()
+n = 1 << 20
+y = (jnp.arange(n, dtype=jnp.float32) + 0).block_until_ready()
+T.host_cai(y)  # exported, then donated: the export takes no reference
+jax.jit(lambda v: v + 1, donate_argnums=0)(y).block_until_ready()
+print("donated" if y.is_deleted() else "not donated", flush=True)
+x = (jnp.arange(n, dtype=jnp.float32) + 0).block_until_ready()
+ptr = T.host_cai(x)["data"][0]
+# A CAI consumer's view: the pointer, and the object x as its owner.
+view = np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr))
+x.delete()  # the user's, while the consumer still views x
+churn = [jnp.full(n, -1.0).block_until_ready() for _ in range(16)]
+reused = ptr in {c.unsafe_buffer_pointer() for c in churn}
+same = bool((view == np.arange(n, dtype=np.float32)).all())
+print("kept" if not reused and same else "lost", len(_cai._kept_for_consumers), flush=True)
+del x; gc.collect()  # the consumer lets go of its owner: the buffer goes
+print(len(_cai._kept_for_consumers))
+"""
+
+
+def _delete_while_viewed(arm):
+    import os
+    return subprocess.run([sys.executable, "-c", _DELETE_WHILE_VIEWED, arm],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_delete_while_a_cai_consumer_views_the_array():
+    """x.delete() (install()ed) while a CAI consumer views x: the buffer is
+    kept until the object x dies (CAI consumers hold x, nothing else), and
+    a donation after an export is stock's.  The stock arm is the control:
+    its delete() frees the memory under the view (XLA:CPU unmaps it: the
+    read crashes)."""
+    stock, ours = _delete_while_viewed("stock"), _delete_while_viewed("installed")
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    lines = ours.stdout.split("\n")
+    assert lines[1:3] == ["kept 1", "0"], ours.stdout
+    assert lines[0] == stock.stdout.split("\n")[0], (ours.stdout, stock.stdout)
+    assert stock.returncode != 0 or "lost" in stock.stdout, (
+        "the control kept the memory: the test cannot tell", stock.stdout, stock.returncode)

@@ -257,15 +257,14 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("route", ["torch", pytest.param("cupy", marks=pytest.mark.xfail(
-    strict=True, reason="the CUDA Array Interface carries no owner, and x.delete() frees "
-    "the buffer while CuPy views it, as in stock jax (H200, 2026-12-06: reused while "
-    "held); an export that holds PJRT's external reference for x's life would change "
-    "donation, so it waits for a design")), "share"])
+@pytest.mark.parametrize("route", ["torch", "cupy", "share"])
 def test_delete_while_a_consumer_holds_the_export(route):
     """x.delete() while PyTorch, CuPy or a share holds x (install()ed
     exports): no abort (jaxlib's CHECK when the external reference was
-    taken through x itself), the buffer kept for the consumer.  In a
+    taken through x itself), the buffer kept for the consumer.  CuPy holds
+    x only through the CUDA Array Interface, which carries no owner: the
+    install()ed delete() keeps the buffer while the object x lives (stock
+    frees it: reused while held, H200, 2026-12-06).  In a
     subprocess: the failure is an abort."""
     import os
     import subprocess
