@@ -206,7 +206,7 @@ def delete_keeping_exports(stock_delete):
             # an array whose own external reference is held.  A pending
             # array's reference is taken with an event wait on a side stream,
             # never a host wait.
-            if self.is_ready():
+            if self.is_ready():  # type: ignore[attr-defined]  # an ArrayImpl
                 ref = rt.external_reference(self)
             else:
                 device = next(iter(self.sharding.device_set))
