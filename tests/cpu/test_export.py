@@ -255,13 +255,13 @@ def _delete_while_viewed(arm):
 def test_delete_while_a_cai_consumer_views_the_array():
     """x.delete() (install()ed) while a CAI consumer views x: the buffer is
     kept until the object x dies (CAI consumers hold x, nothing else), and
-    a donation after an export is stock's.  The stock arm is the control:
-    its delete() frees the memory under the view (XLA:CPU unmaps it: the
-    read crashes)."""
+    a donation after an export is stock's.  The stock arm gives the
+    donation's outcome; its delete() frees the memory under the view (with
+    jax 0.12 XLA:CPU unmaps it and the read crashes; jax 0.10.1's allocator
+    may keep the block, so only the held reference, counted, says the
+    buffer was kept on purpose)."""
     stock, ours = _delete_while_viewed("stock"), _delete_while_viewed("installed")
     assert ours.returncode == 0, ours.stderr[-2000:]
     lines = ours.stdout.split("\n")
     assert lines[1:3] == ["kept 1", "0"], ours.stdout
     assert lines[0] == stock.stdout.split("\n")[0], (ours.stdout, stock.stdout)
-    assert stock.returncode != 0 or "lost" in stock.stdout, (
-        "the control kept the memory: the test cannot tell", stock.stdout, stock.returncode)
