@@ -25,7 +25,6 @@ an error that says to copy what is kept.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import math
@@ -180,12 +179,13 @@ def _make_callback(fn, adapter, in_tree, out_tree, write_out, replay=False, shap
             stream, state = adapter.enter(ctx, ordinal, traced)
             stack.append(stream)
             try:
-                scope = _NOT_TRACED
                 if traced:
                     key = ordinal if serial else (
                         ordinal, *(buffer_facts(b)[0] for b in (outs or args)))
-                    scope = adapter.capture(kept.setdefault(key, []))
-                with scope:
+                    with adapter.capture(kept.setdefault(key, [])):
+                        _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream,
+                             tokens)
+                else:  # no context manager to enter: a plain call's path is its cost
                     _run(fn, adapter, args, outs, in_tree, out_tree, write_out, stream, tokens)
             finally:
                 stack.pop()
@@ -268,7 +268,6 @@ def _capturing(ordinal, ctx):
     return ext.capture_status(ordinal, ctx.stream) != ext.CAPTURE_NONE
 
 
-_NOT_TRACED = contextlib.nullcontext()  # reusable: it holds no state
 _WHILE_TRACED = (
     "; it ran while XLA traced it into a CUDA graph (foreign(..., replay=True)), where fn "
     "may not wait for the GPU on the host (.item(), .cpu(), .tolist(), printing values, a "
