@@ -5,6 +5,7 @@
     python tools/fuzz_dropin.py --seed 7 --case 12345 --devices 2 --x64 1   # replay one
     python tools/fuzz_dropin.py --gpu --cases 30000 --jobs 6 --budget 480 --json OUT
     python tools/fuzz_dropin.py --gpu torch --seed 7 --case 12345 --x64 1   # replay one
+    python tools/fuzz_dropin.py --sum RUN.json RUN2.json   # committed runs added up
 
 JAX fixes its device count when its backend starts, so this process never
 imports JAX: every case runs in a worker subprocess started with
@@ -194,7 +195,35 @@ def summary(t):
             f"allowed {allowed})")
 
 
+def sum_runs(paths):
+    """The figures of several committed runs (--json files) added up, once
+    their case ranges are checked not to overlap: a long GPU run made of
+    calls in several sessions, each its own seed or start.  A ValueError
+    names the files whose ranges overlap."""
+    parts, seen = [], {}
+    for path in paths:
+        run = json.loads(pathlib.Path(path).read_text())
+        run.setdefault("records", [])
+        for family, x64, start, count in run.get("ranges", []):
+            key = (run.get("seed"), family, x64)
+            for other, (s0, n0) in seen.get(key, []):
+                if start < s0 + n0 and s0 < start + count:
+                    raise ValueError(f"{path} and {other} both ran cases {max(start, s0)}.. of "
+                                     f"seed {key[0]}, family {family}, x64 {x64}: sum runs "
+                                     "of distinct seeds or starts")
+            seen.setdefault(key, []).append((path, (start, count)))
+        run["counts"] = collections.Counter(run.get("counts", {}))
+        parts.append(run)
+    return _merge(parts)
+
+
 def main(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--sum"]:  # python tools/fuzz_dropin.py --sum RUN.json...
+        total = sum_runs(argv[1:])
+        print(summary(total) + f" over {len(argv) - 1} runs")
+        return 1 if total["differences"] else 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start", type=int, default=0, help="first case index")

@@ -275,3 +275,32 @@ def test_stock_unsafe_is_counted_not_failed():
     assert v.category is None and "stock unsafe" in v.counts
     assert F.judge(c, ours, stock).category == "installed unsafe"
     assert "stock unsafe, installed too" in F.judge(c, stock, stock).counts
+
+
+def test_sum_adds_runs_and_refuses_overlapping_ranges(tmp_path):
+    """--sum: committed runs of distinct ranges add up (cases, counts,
+    differences, exit status); two runs over the same cases are refused,
+    naming both files."""
+    def run(name, ranges, cases, diffs, counts):
+        p = tmp_path / name
+        p.write_text(json.dumps({"seed": 9, "ranges": ranges, "cases": cases, "seconds": 1.0,
+                                 "counts": counts, "differences": diffs, "stock unsafe": [],
+                                 "allowed": []}))
+        return str(p)
+    a = run("a.json", [["cupy", 0, 0, 100], ["torch", 1, 0, 50]], 150, [],
+            {"stock raised": 40, "stock unsafe": 3})
+    b = run("b.json", [["cupy", 0, 100, 70]], 70, [{"category": "shape"}],
+            {"stock raised": 5})
+    c = run("c.json", [["cupy", 0, 150, 10]], 10, [], {})
+    out = subprocess.run([sys.executable, str(CLI), "--sum", a, b], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1, out.stderr  # b's difference
+    assert "220 cases, 1 differences (stock raised 45," in out.stdout
+    assert "stock unsafe 3" in out.stdout
+    out = subprocess.run([sys.executable, str(CLI), "--sum", a], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "150 cases, 0 differences" in out.stdout, out
+    out = subprocess.run([sys.executable, str(CLI), "--sum", a, b, c], capture_output=True,
+                         text=True, timeout=60)
+    words = out.stderr.replace(str(tmp_path) + "/", "")
+    assert out.returncode != 0 and "c.json and b.json both ran cases 150.." in words, words
