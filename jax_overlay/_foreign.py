@@ -401,7 +401,9 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
       the trace, naming ``replay=False``.  XLA graphs small programs only
       with ``XLA_FLAGS=--xla_gpu_graph_min_graph_size=1``; otherwise ``fn``
       runs on every call, as by default.  With ``vjp="autograd"`` the
-      backward recomputes.
+      tensors fn's graph saves (found by running fn once on meta tensors)
+      pass to the backward call as residuals; where that run cannot tell,
+      the backward runs fn again.
     * Views live for the call only: anything ``fn`` keeps must be a copy.
     """
     peer = peers.foreign_peer(framework)  # ValueError naming the frameworks
@@ -411,13 +413,15 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
     if vjp is None:
         return functools.wraps(fn)(call)
     if vjp == "autograd":
-        # A replayed trace runs no Python, and a kept graph is found by
-        # reading its ticket on the host: replay recomputes.
-        saved = (not recompute and not replay
-                 and vmap_method in (None, "sequential", "sequential_unrolled"))
+        # Under replay the saved tensors travel as residuals instead (a
+        # replayed trace runs no Python, and a saved graph is found by
+        # reading its ticket on the host).
+        unbatched = vmap_method in (None, "sequential", "sequential_unrolled")
+        saved = not recompute and not replay and unbatched
+        residual = not recompute and replay and unbatched
         return functools.wraps(fn)(_with_autograd(
             call, peer.autograd(fn), framework, result_shape_dtypes, vmap_method, saved,
-            replay))
+            replay, residual))
     return functools.wraps(fn)(_with_vjp(call, vjp, framework, vmap_method, replay))
 
 
@@ -535,7 +539,7 @@ _TICKET = jax.ShapeDtypeStruct((2,), np.int32)
 
 
 def _with_autograd(call, autograd, framework, result_shape_dtypes, vmap_method, saved,
-                   replay=False):
+                   replay=False, residual=False):
     """vjp="autograd": the framework's autograd (`autograd`, its peer's
     object) differentiates fn for the inputs JAX differentiates, and no
     others (``custom_vjp``'s symbolic zeros say which: an input outside
@@ -543,34 +547,64 @@ def _with_autograd(call, autograd, framework, result_shape_dtypes, vmap_method, 
     forward is a foreign call of ``autograd.forward``, which keeps fn's
     graph and also returns its ticket, and the backward call
     (``autograd.backward``) gets the inputs, the ticket and the cotangent.
-    Else the forward is `call` and the backward ``autograd.recompute``.
-    Undifferentiated calls are `call` itself: no graph is recorded."""
+    Residual (under replay): the forward is ``autograd.forward_residuals``, which
+    also returns the tensors fn's graph saves, as residuals, and the
+    backward (``autograd.backward_residuals``) gets the inputs, those and the
+    cotangent; where ``autograd.residual_sizes`` cannot tell what the graph
+    saves, as otherwise, the forward is `call` and the backward
+    ``autograd.recompute``.  Undifferentiated calls are `call` itself: no
+    graph is recorded."""
     from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
     if callable(result_shape_dtypes) and not hasattr(result_shape_dtypes, "shape"):
-        def forward_spec(*specs):
-            return result_shape_dtypes(*specs), _TICKET
+        def results(*specs):
+            return result_shape_dtypes(*specs)
     else:
-        def forward_spec(*specs):
-            return result_shape_dtypes, _TICKET
+        def results(*specs):
+            return result_shape_dtypes
+
+    def forward_spec(*specs):
+        return results(*specs), _TICKET
     made: dict = {}
 
-    def calls(need):
-        """(forward, backward) foreign functions for the inputs `need` marks."""
-        got = made.get(need)
-        if got is None:
-            def wanted(*specs):  # the needed input leaves, flat
-                leaves = jax.tree_util.tree_leaves(specs[:-2] if saved else specs[:-1])
-                return [x for x, n in zip(leaves, need) if n]
+    def calls(need, key=None, sizes=None):
+        """(forward, backward) foreign functions for the inputs `need`
+        marks (and, passing residuals, the inputs `key` describes)."""
+        got = made.get((need, key))
+        if got is not None:
+            return got
+
+        def wanted(*specs):  # the needed input leaves, flat
+            leaves = jax.tree_util.tree_leaves(specs[:-2] if saved or key else specs[:-1])
+            return [x for x, n in zip(leaves, need) if n]
+        forward: Callable[..., Any] | None = None
+        if key is not None:
+            def residual_spec(*specs):
+                return results(*specs), [jax.ShapeDtypeStruct((n,), np.uint8) for n in sizes]
+            forward = foreign(functools.partial(autograd.forward_residuals, need, key),
+                              framework=framework, result_shape_dtypes=residual_spec,
+                              vmap_method=vmap_method, replay=True)
+            backward = foreign(functools.partial(autograd.backward_residuals, need, key),
+                               framework=framework, result_shape_dtypes=wanted,
+                               vmap_method=vmap_method, replay=True)
+        else:
             backward = foreign(functools.partial(
                 autograd.backward if saved else autograd.recompute, need),
                 framework=framework, result_shape_dtypes=wanted, vmap_method=vmap_method,
                 replay=replay)
-            forward = (foreign(functools.partial(autograd.forward, need), framework=framework,
-                               result_shape_dtypes=forward_spec, vmap_method=vmap_method)
-                       if saved else None)
-            got = made[need] = (forward, backward)
+            if saved:
+                forward = foreign(functools.partial(autograd.forward, need),
+                                  framework=framework, result_shape_dtypes=forward_spec,
+                                  vmap_method=vmap_method)
+        got = made[(need, key)] = (forward, backward)
         return got
+
+    def template_key(need, args):
+        """What a template graph is found by (none of it a JAX type, so not a
+        residual: forward and backward each work it out from the inputs)."""
+        flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
+        return need, in_tree, tuple((tuple(np.shape(x)), np.dtype(jax.numpy.result_type(x)))
+                                    for x in flat)
 
     @jax.custom_vjp
     def differentiable(*args):
@@ -582,6 +616,12 @@ def _with_autograd(call, autograd, framework, result_shape_dtypes, vmap_method, 
         args = jax.tree_util.tree_unflatten(tree, [p.value for p in leaves])
         need = tuple(bool(p.perturbed) and jax.numpy.issubdtype(
             jax.numpy.result_type(p.value), jax.numpy.inexact) for p in leaves)
+        if residual and any(need):
+            key = template_key(need, args)
+            sizes = autograd.residual_sizes(key)
+            if sizes is not None:
+                outs, residuals = calls(need, key, sizes)[0](*args)
+                return outs, (args, need, residuals)  # a list: residuals
         forward = calls(need)[0] if any(need) else None
         if forward is None:  # recompute, or nothing to differentiate
             return call(*args), (args, need, None)
@@ -593,7 +633,9 @@ def _with_autograd(call, autograd, framework, result_shape_dtypes, vmap_method, 
         cotangent = jax.tree_util.tree_map(
             _instantiate, cotangent, is_leaf=lambda x: isinstance(x, SymbolicZero))
         got = iter(())
-        if any(need):
+        if isinstance(ticket, list):  # the saved tensors, as residuals
+            got = iter(calls(need, template_key(need, args))[1](*args, ticket, cotangent))
+        elif any(need):
             _, backward = calls(need)
             got = iter(backward(*args, ticket, cotangent) if ticket is not None
                        else backward(*args, cotangent))

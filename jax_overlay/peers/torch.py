@@ -346,15 +346,16 @@ def _in_a_share(t):
     return start in _mapped
 
 
-def _grads(torch, flat, need, outs, cts, wrt):
+def _grads(torch, flat, need, outs, cts, wrt, retain=False):
     """PyTorch's gradients of `outs` (tensors or gradient edges, None where
     no gradient flows) for the needed inputs (`wrt`, one per True in
-    `need`), flat; zeros where none flows (an input fn does not use)."""
+    `need`), flat; zeros where none flows (an input fn does not use).
+    `retain` keeps the graph for another backward (a template's)."""
     pairs = [(o, c) for o, c in zip(outs, cts) if o is not None]
     grads: list = [None] * len(wrt)
     if pairs and wrt:
         grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs],
-                                         allow_unused=True))
+                                         allow_unused=True, retain_graph=retain))
     needed = [t for t, n in zip(flat, need) if n]
     return [torch.zeros_like(t) if g is None else g for t, g in zip(needed, grads)]
 
@@ -376,16 +377,61 @@ class _InputRef:
         self.i, self.offset, self.shape, self.stride = i, t.storage_offset(), t.shape, t.stride()
 
 
+class _Residual:
+    """Under replay, a tensor the forward's graph saved in PyTorch's own
+    memory: copied (as bytes) into the forward call's residual output `j`,
+    which JAX keeps, and read from the backward call's view of it."""
+    __slots__ = ("j", "dtype", "shape")
+
+    def __init__(self, j, t):
+        self.j, self.dtype, self.shape = j, t.dtype, t.shape
+
+
 class _Graph:
     """One forward's autograd graph, as the backward call needs it: gradient
     edges (no tensors) of its outputs, its differentiated input leaves
-    (over a stand-in, not XLA's memory), and
-    the views its saved input references read (set for the backward call
-    only)."""
+    (over a stand-in, not XLA's memory), and the views its saved
+    references read (set for one backward call at a time): the call's
+    inputs and, under replay, its residuals."""
     __slots__ = ("outs", "wrt", "ct_shapes", "views")
 
     def __init__(self, outs, wrt, ct_shapes, views):
         self.outs, self.wrt, self.ct_shapes, self.views = outs, wrt, ct_shapes, views
+
+
+def _stream_of(flat):
+    """The raw CUDA stream current for the call's inputs' device (XLA's,
+    made current by the adapter), None on the CPU.  PyTorch runs each node
+    of a backward on the stream its forward ran on: a template is used only
+    on the stream it was made on, where a trace captures that work."""
+    t = next((t for t in flat if t.is_cuda), None)
+    return None if t is None else _facts()[0](t.device.index)
+
+
+def _graph_shape(outs):
+    """The kinds of the nodes of the graph behind `outs`, in the order a
+    walk from the outputs meets them, or None where a node keeps a tensor
+    that no saved-tensor hook sees (a custom Function's ``ctx.x = t``): a
+    graph kept as a template would read that tensor as it was when
+    traced."""
+    import torch
+    custom = torch.autograd.function.BackwardCFunction
+    seen: set = set()
+    kinds = []
+    todo = [o.grad_fn for o in outs
+            if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        kinds.append(type(node).__name__)
+        if isinstance(node, custom) and any(
+                isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and any(
+                    isinstance(e, torch.Tensor) for e in v)) for v in vars(node).values()):
+            return None
+        todo.extend(n for n, _ in node.next_functions)
+    return tuple(kinds)
 
 
 class Autograd:
@@ -415,7 +461,22 @@ class Autograd:
     ``config.saved_graphs`` graphs of this function wait (a forward whose
     backward JAX never runs: ``jax.vjp`` not followed, XLA eliminating an
     unused gradient): then the oldest goes, and its backward, if it ever
-    comes, runs ``fn`` again."""
+    comes, runs ``fn`` again.
+
+    Under replay no ticket can be read (a trace runs no Python when
+    replayed), so nothing the backward needs may live outside JAX: the
+    forward call (``forward_residuals``) copies each tensor the graph saves in
+    PyTorch's memory into a residual output (bytes), and the backward call
+    (``backward_residuals``) runs PyTorch's backward of a template graph whose
+    saved tensors all read the call's own inputs and residuals.  One
+    template serves every call of the same inputs' shapes, since replay's
+    ``fn`` is a pure function of its inputs.  What the template must save
+    is found before the first call, by running ``fn`` once on meta tensors
+    (``residual_sizes``); and each forward checks that its graph has the shape
+    found then.  Where it cannot tell (``fn`` fails on meta tensors or
+    reads a value), or a forward's graph differs (an operation PyTorch
+    dispatches differently by device), or a custom Function keeps a tensor
+    outside ``save_for_backward``, the backward runs ``fn`` again."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -425,6 +486,15 @@ class Autograd:
         # of this process's tickets with odds of about 2**-62.
         self.tickets = itertools.count(secrets.randbits(62) + 1)
         self.stand_ins: dict = {}
+        # Under replay, by (need, input tree, input shapes and dtypes):
+        # what the graph saves as found on meta tensors (None: unknown),
+        # the template graph, and the keys whose forwards disagreed.
+        self.found: dict = {}
+        self.templates: dict[Any, _Graph] = {}
+        self.broken: set = set()
+        self.template_lock = threading.Lock()
+        # Backward calls (under replay: traces) by how they ran.
+        self.backwards = {"template": 0, "recompute": 0}
 
     def waiting(self):
         """How many forward graphs wait for their backward call."""
@@ -455,6 +525,40 @@ class Autograd:
             return _grads(torch, flat, need, outs, tree_util.tree_leaves(cotangent),
                           [t for t, n in zip(leaves, need) if n])
 
+    def _record(self, need, tree, leaves, pack, views):
+        """fn run once under autograd on `leaves` with `pack` as its saved
+        tensors' hook: (its graph, reading saved references from `views`;
+        its outputs' values, flat; their tree; the outputs themselves)."""
+        import torch
+        from jax import tree_util
+
+        def unpack(p):
+            kind = type(p)
+            if kind is _InputRef:
+                return views[0][p.i].as_strided(p.shape, p.stride, p.offset)
+            if kind is _Residual:
+                return views[1][p.j].view(p.dtype).view(p.shape)
+            return p
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            got = self.fn(*tree_util.tree_unflatten(tree, leaves))
+        outs, out_tree = tree_util.tree_flatten(got)
+        edge = torch.autograd.graph.get_gradient_edge
+        out_edges = [edge(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+                     for o in outs]
+        # The input leaves themselves (their data swapped out below): cheaper
+        # than their gradient edges, and their nodes hold them anyway.
+        wrt = [t for t, n in zip(leaves, need) if n]
+        ct_shapes = [tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in outs]
+        # Values for XLA's outputs: detached, so that an output that is an
+        # input leaf (fn = identity) keeps its values past the swap below.
+        values = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
+        for t, n in zip(leaves, need):
+            if n:
+                # Its gradient node holds the leaf: no longer XLA's memory.
+                t.data = self.stand_in(t)
+        return _Graph(out_edges, wrt, ct_shapes, views), values, out_tree, outs
+
     def forward(self, need, *inputs):
         """(fn's outputs, ticket)."""
         import torch
@@ -482,31 +586,7 @@ class Autograd:
                 return t.clone()  # a reinterpreting view: its own copy
             return _InputRef(hit[0], t)
 
-        graph_views: list = []
-
-        def unpack(p):
-            if type(p) is _InputRef:
-                return graph_views[0][p.i].as_strided(p.shape, p.stride, p.offset)
-            return p
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            got = self.fn(*tree_util.tree_unflatten(tree, leaves))
-        outs, out_tree = tree_util.tree_flatten(got)
-        edge = torch.autograd.graph.get_gradient_edge
-        out_edges = [edge(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
-                     for o in outs]
-        # The input leaves themselves (their data swapped out below): cheaper
-        # than their gradient edges, and their nodes hold them anyway.
-        wrt = [t for t, n in zip(leaves, need) if n]
-        ct_shapes = [tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in outs]
-        # Values for XLA's outputs: detached, so that an output that is an
-        # input leaf (fn = identity) keeps its values past the swap below.
-        values = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
-        for t, n in zip(leaves, need):
-            if n:
-                # Its gradient node holds the leaf: no longer XLA's memory.
-                t.data = self.stand_in(t)
-        graph = _Graph(out_edges, wrt, ct_shapes, graph_views)
+        graph, values, out_tree, _ = self._record(need, tree, leaves, pack, [])
         ticket = next(self.tickets)
         with self.lock:
             self.graphs[ticket] = graph
@@ -539,6 +619,121 @@ class Autograd:
             return _grads(torch, flat, need, graph.outs, cts, graph.wrt)
         finally:
             graph.views.clear()
+
+    # Under replay: the saved tensors as residuals, one template per key.
+
+    def _saving(self, leaves, track):
+        """(pack hook, its record): a saved tensor that is an input leaf or
+        a view of one becomes an _InputRef (found by the leaf itself, not
+        its address: XLA may pass one buffer as two inputs); one in
+        PyTorch's memory becomes a _Residual, each tensor once; `track` keeps
+        the latter (to copy them out).  The record is what the forward
+        checks against the meta run."""
+        ids = {id(t): i for i, t in enumerate(leaves)}
+        index: dict[int, _Residual] = {}
+        record: list = []
+
+        def pack(t):
+            if not t.numel():
+                record.append(("empty",))
+                return t
+            base = t if t._base is None else t._base
+            i = ids.get(id(base))
+            if i is not None and base.dtype == t.dtype:
+                ref = _InputRef(i, t)
+                record.append(("input", i, tuple(ref.shape), tuple(ref.stride), ref.offset))
+                return ref
+            got = index.get(id(t))
+            if got is None:
+                got = index[id(t)] = _Residual(len(track), t)
+                track.append(t)  # held: its id stays its own until the copy
+            record.append(("residual", got.j, str(t.dtype), tuple(t.shape)))
+            return got
+        return pack, record
+
+    def residual_sizes(self, key):
+        """The bytes of each tensor the graph of fn saves in PyTorch's
+        memory, for inputs of `key` (need, tree, ((shape, dtype), ...)),
+        found by running fn once on meta tensors; None where that cannot
+        tell (the backward then runs fn again)."""
+        if key in self.found:
+            found = self.found[key]
+            return None if found is None else found[0]
+        import torch
+        need, tree, specs = key
+        found = None
+        track: list = []
+        try:
+            leaves = []
+            for (shape, dtype), n in zip(specs, need):
+                t = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device="meta")
+                leaves.append(t.requires_grad_(True) if n else t)
+            pack, record = self._saving(leaves, track)
+            _, _, _, outs = self._record(need, tree, leaves, pack, [])
+            shape = _graph_shape(outs)
+            # A saved tensor off the meta device was made by fn on a fixed
+            # device: where the real run keeps it is not known here.
+            if shape is not None and all(t.device.type == "meta" for t in track):
+                found = (tuple(t.nbytes for t in track), tuple(record), shape)
+        except Exception:  # noqa: BLE001 - fn reads a value or has no meta kernel
+            found = None
+        finally:
+            track.clear()  # else a cycle: graph -> its hooks -> track -> graph
+        self.found[key] = found
+        return None if found is None else found[0]
+
+    def forward_residuals(self, need, key, *inputs):
+        """(fn's outputs, its saved tensors as bytes), the graph kept as the
+        template of `key`."""
+        import torch
+        from jax import tree_util
+        flat, tree = tree_util.tree_flatten(tuple(inputs))
+        leaves = _leaves(flat, need)
+        track: list = []
+        pack, record = self._saving(leaves, track)
+        views: list = []
+        graph, values, out_tree, outs = self._record(need, tree, leaves, pack, views)
+        sizes, want_record, want_shape = self.found[key]
+        if tuple(record) != want_record or _graph_shape(outs) != want_shape:
+            self.broken.add(key)  # its backward, and every later one, runs fn again
+        if key in self.broken:
+            device = flat[0].device if flat else torch.device("cpu")
+            saved = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
+        else:
+            # Bytes, whatever the dtype (JAX without x64 has no int64 output).
+            saved = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in track]
+            with self.template_lock:
+                self.templates[key, _stream_of(flat)] = graph
+        # The pack hook, which the graph's saved variables keep, holds
+        # `track`: emptied, the template holds no activation.
+        track.clear()
+        return tree_util.tree_unflatten(out_tree, values), saved
+
+    def backward_residuals(self, need, key, *args):
+        """(inputs..., residuals, cotangent) -> the needed inputs'
+        cotangents, flat: the template's backward over this call's inputs
+        and residuals."""
+        import torch
+        from jax import tree_util
+        *inputs, saved, cotangent = args
+        flat = tree_util.tree_leaves(tuple(inputs))
+        with self.template_lock:
+            graph = None if key in self.broken else self.templates.get((key, _stream_of(flat)))
+            cts = tree_util.tree_leaves(cotangent)
+            if graph is None or len(cts) != len(graph.ct_shapes) or any(
+                    s is not None and tuple(c.shape) != s
+                    for c, s in zip(cts, graph.ct_shapes)):
+                self.backwards["recompute"] += 1
+            else:
+                self.backwards["template"] += 1
+                # The lock holds the template's views for this call: another
+                # thread's backward of the same key waits.
+                graph.views[:] = [flat, list(saved)]
+                try:
+                    return _grads(torch, flat, need, graph.outs, cts, graph.wrt, retain=True)
+                finally:
+                    graph.views.clear()
+        return self.recompute(need, *inputs, cotangent)
 
 
 PEER = register(Torch())

@@ -3,7 +3,8 @@ where XLA has no command buffers and fn runs on every call; the traced
 path of the callback (the adapter's capture(), what it keeps, the errors
 naming replay=False) through the GPU template with the capture status
 stubbed; Numba's keeping of allocations with a stand-in memory manager;
-and vjp="autograd" with replay=True recomputing.  The GPU's own
+and vjp="autograd" with replay=True passing fn's saved tensors to the
+backward as residuals (test_foreign_kept.py has the rest).  The GPU's own
 behaviour (traces, replays, pools) is tests/gpu/test_foreign_replay_gpu.py."""
 
 from __future__ import annotations
@@ -250,12 +251,12 @@ def test_vjp_function_with_replay():
     np.testing.assert_array_equal(np.asarray(g), [0.0, 2.0, 4.0])
 
 
-def test_autograd_with_replay_recomputes():
+def test_autograd_with_replay_passes_the_saved_tensors_as_residuals():
     torch = pytest.importorskip("torch")
     runs = []
 
     def fn(x):
-        runs.append(1)
+        runs.append(x.device.type)
         return (torch.sin(x) ** 2).sum()
     scalar = jax.ShapeDtypeStruct((), np.float32)
     f = jax_overlay.foreign(fn, framework="torch", result_shape_dtypes=scalar,
@@ -264,10 +265,14 @@ def test_autograd_with_replay_recomputes():
     v, g = jax.jit(jax.value_and_grad(f))(x)
     np.testing.assert_allclose(float(v), (np.sin(np.asarray(x)) ** 2).sum(), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(g), np.sin(2 * np.asarray(x)), rtol=1e-5)
-    # The forward call, then the backward call running fn again: no graph
-    # kept (a replayed trace could not find it).
-    assert len(runs) == 2
+    # fn ran on meta tensors (what its graph saves: sin's input, x, and
+    # the power's, sin(x)), then in the forward call; the backward call
+    # ran the template's backward over the residual, not fn: no ticket
+    # is read (a replayed trace could not), no graph waits.
+    assert runs == ["meta", "cpu"]
     assert f.saved.waiting() == 0
+    (found,) = f.saved.found.values()
+    assert found[0] == (8 * 4,)
 
 
 # Where XLA_FLAGS has XLA not trace again for moved temporaries
