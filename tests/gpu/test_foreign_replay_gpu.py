@@ -13,7 +13,9 @@ for programs of any size; XLA reads them once, when its backend starts.
   case the pool exists for); Numba's allocations are kept likewise;
 * a host sync inside fn is refused with the error naming replay=False, and
   the process goes on working;
-* 100 training steps with vjp="autograd" match JAX's;
+* 100 training steps with vjp="autograd" match JAX's, the backward reading
+  the forward's saved tensors as residuals; so do 50 calls of two calls in
+  one program and of a scan, on inputs still in flight;
 * 1,000 calls whose results are all kept: fn traced at most twice (an
   expected failure: issue 40), and a few times in all with SKIP_TEMP in
   XLA_FLAGS (fn then writes temporaries); 300 such
@@ -59,7 +61,7 @@ def _run(*cases, timeout=300, flags=FLAGS):
 
 @pytest.fixture(scope="module")
 def torch_cases():
-    return _run("inflight", "torch_pooled", "training", "memory")
+    return _run("inflight", "torch_pooled", "training", "residuals", "memory")
 
 
 def test_inflight_inputs_and_changing_addresses(torch_cases):
@@ -191,6 +193,20 @@ def test_training_with_replay_matches_jax(torch_cases):
     # fn ran in the first runs and the traces of forward and backward, not
     # in each of the 200 calls a step-by-step run makes.
     assert r["python_runs"] <= 20
+    # The backward read the forward's saved tensors (tanh's output, the
+    # output layer's) as residuals: it ran no forward kernels.
+    assert r["residuals"] and r["residual_bytes"] == [[128 * 512 * 4, 128 * 10 * 4]]
+
+
+def test_autograd_residuals_under_replay_in_one_program_and_a_scan(torch_cases):
+    r = torch_cases["residuals"]
+    print(r)
+    assert r["residuals"]
+    assert r["two"]["wrong"] == r["scan"]["wrong"] == 0
+    # Traced, then replayed: fn's Python ran in a few traces (and the meta
+    # run), not in each of the 50 calls' forwards.  (The scan's count is
+    # printed: whether XLA graphs a loop's body is its own choice.)
+    assert r["two"]["python_runs"] <= 10
 
 
 def test_memory_flat_over_10000_replays(torch_cases):
