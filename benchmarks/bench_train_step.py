@@ -15,7 +15,11 @@ waited for (its new parameters ready), one step at a time:
   foreign replay    the same, replay=True: forward and backward traced into
                     XLA's command buffer and replayed without Python (it
                     needs XLA_FLAGS=--xla_gpu_graph_min_graph_size=1, set
-                    for the whole run, every case, when the flag is absent)
+                    for the whole run, every case, when the flag is absent);
+                    the tensors the model's graph saves pass to the
+                    backward as residuals
+  foreign replay recompute  replay=True, recompute=True: the backward runs
+                    the model again (what replay did before residuals)
   torch2jax         wrap_torch2jax.torch2jax of the model, where it installs
 Reported: µs per step, median over rounds, and per round each case's ratio
 to torch eager and to jax, medians over rounds.
@@ -50,6 +54,7 @@ from workloads import LR, jax_mlp, mlp_params, sgd, torch_mlp  # noqa: E402
 CONTROL = "torch eager"
 RUNS = [0]  # the replayed model's Python runs (traces, and the checks' first calls)
 STEPS: dict = {}  # steps taken, by case
+REPLAYED: list = []  # the replayed model's foreign function
 
 
 def _counted(model):
@@ -91,14 +96,19 @@ def cases(batch, features, hidden, check):
                                vjp="autograd", recompute=True)
     replay = jax_overlay.foreign(_counted(torch_mlp), framework="torch", result_shape_dtypes=spec,
                                  vjp="autograd", replay=True)
+    REPLAYED.append(replay)
+    replay_redo = jax_overlay.foreign(torch_mlp, framework="torch", result_shape_dtypes=spec,
+                                      vjp="autograd", replay=True, recompute=True)
     out = {CONTROL: torch_eager, "jax": jax_arm(sgd(jax_mlp)),
            "foreign saved": jax_arm(sgd(saved)), "foreign recompute": jax_arm(sgd(redo)),
-           "foreign replay": jax_arm(sgd(replay), "foreign replay")}
+           "foreign replay": jax_arm(sgd(replay), "foreign replay"),
+           "foreign replay recompute": jax_arm(sgd(replay_redo))}
     # One step of each from the same parameters: the same loss and update.
     with jax.default_matmul_precision("highest" if check else None):
         want = sgd(jax_mlp)(x, *p0)
     for name, loss in (("foreign saved", saved), ("foreign recompute", redo),
-                       ("foreign replay", replay))[:3 * check]:
+                       ("foreign replay", replay),
+                       ("foreign replay recompute", replay_redo))[:4 * check]:
         got = sgd(loss)(x, *p0)
         np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-3, err_msg=name)
         for a, b in zip(got[1], want[1]):
@@ -134,6 +144,13 @@ def main():
         res["x_jax"][k] = harness.med(harness.ratios(samples, k, "jax"))
     res["saved_over_recompute"] = harness.med(
         harness.ratios(samples, "foreign saved", "foreign recompute"))
+    res["replay_over_replay_recompute"] = harness.med(
+        harness.ratios(samples, "foreign replay", "foreign replay recompute"))
+    a = REPLAYED[0].saved  # what the graph saves found, used, never disagreed with
+    res["replay_residuals"] = (bool(a.found) and None not in a.found.values()
+                               and not a.broken and a.backwards["recompute"] == 0
+                               and a.backwards["template"] > 0)
+    res["replay_backwards"] = dict(a.backwards)
     res["control_range_us"] = [min(samples[CONTROL]), max(samples[CONTROL])]
     res["samples"] = samples
     res["replay_model_runs"] = {"runs": RUNS[0], "steps": STEPS.get("foreign replay", 0)}
@@ -151,6 +168,9 @@ def main():
         *[f"{k}: unavailable: {why}" for k, why in res["unavailable"].items()],
         f"foreign saved / foreign recompute: {res['saved_over_recompute']:.3f} (median of "
         f"per-round ratios); control (torch eager) {lo:.1f}-{hi:.1f} µs across rounds",
+        f"foreign replay / foreign replay recompute: {res['replay_over_replay_recompute']:.3f} "
+        f"(median of per-round ratios); the replayed backward read residuals: "
+        f"{res['replay_residuals']}",
         f"foreign replay: the model's Python ran {RUNS[0]} times in "
         f"{STEPS.get('foreign replay', 0)} steps (each trace; warm-ups and checks included)"])
     print(text)

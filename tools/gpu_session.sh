@@ -294,6 +294,12 @@ case "${1:-}" in
     timeout -s INT 120 "$PY" benchmarks/bench_train_step.py --rounds 5 --calls 100 --out "$O" \
       >"$O/train-step-replay.txt" 2>&1; echo "train step exit status $?" >>"$O/train-step-replay.txt"
     tail -12 "$O/train-step-replay.txt"; tarball
+    # Where the blocked step's time goes: GPU operations and their time per
+    # step under PyTorch's profiler, against the wall time.
+    timeout -s INT 90 "$PY" benchmarks/probe_train_step.py --steps 50 \
+      --json "$O/train-step-profile.json" >"$O/train-step-profile.txt" 2>&1
+    echo "train step profile exit status $?" >>"$O/train-step-profile.txt"
+    grep -v "^USDT\|STAGE:" "$O/train-step-profile.txt" | head -48; tarball
   fi
   if [ -z "$LOAD" ]; then  # the fuzz runs under the load again
     "$PY" tests/gpu/load.py >>"$O/load-$K.txt" 2>&1 & LOAD=$!; sleep 5
