@@ -4,7 +4,8 @@ rounds.
 
 The model: an MLP 256 -> 512 -> 10 (tanh), batch 128, float32, loss the mean
 square of its output.  One step is value_and_grad + SGD, dispatched and
-waited for (its new parameters ready), one step at a time:
+waited for (its new parameters ready), one step at a time (by default;
+--pipelined below):
   torch eager       loss.backward() and p -= lr * p.grad, then synchronize
                     (jax-free: the control of every round)
   jax               jit(value_and_grad(the model in JAX) + SGD)
@@ -22,12 +23,15 @@ waited for (its new parameters ready), one step at a time:
                     the model again (what replay did before residuals)
   torch2jax         wrap_torch2jax.torch2jax of the model, where it installs
 Reported: µs per step, median over rounds, and per round each case's ratio
-to torch eager and to jax, medians over rounds.
+to torch eager and to jax, medians over rounds.  --pipelined: the steps
+back to back, one wait after the last (each step still takes the one
+before's parameters), as a training loop that does not read its loss runs.
 
     python benchmarks/bench_train_step.py [--rounds 7] [--calls 200] [--out DIR]
-        [--shape BATCH,FEATURES,HIDDEN]
+        [--shape BATCH,FEATURES,HIDDEN] [--pipelined]
 
-writes DIR/train-step.txt and .json (train-step-BxFxH.* for another shape;
+writes DIR/train-step.txt and .json (train-step-BxFxH.* for another shape,
+train-step-pipelined.* pipelined;
 the values are checked against JAX for the default one only).  Runs on the CPU backend too (PyTorch
 CPU tensors), where it is a check of the script, not a measurement.
 """
@@ -55,6 +59,7 @@ CONTROL = "torch eager"
 RUNS = [0]  # the replayed model's Python runs (traces, and the checks' first calls)
 STEPS: dict = {}  # steps taken, by case
 REPLAYED: list = []  # the replayed model's foreign function
+PIPELINED = [False]  # --pipelined: no wait per step
 
 
 def _counted(model):
@@ -77,7 +82,9 @@ def cases(batch, features, hidden, check):
         def run():
             STEPS[name] = STEPS.get(name, 0) + 1
             v, state[0] = step(x, *state[0])
-            jax.block_until_ready(state[0])
+            if not PIPELINED[0]:
+                jax.block_until_ready(state[0])
+        run.wait = lambda: jax.block_until_ready(state[0])  # type: ignore[attr-defined]
         return run
     tx = torch.from_numpy(np.array(x)).to(dev)
     tp = [torch.from_numpy(np.array(a)).to(dev).requires_grad_(True) for a in p0]
@@ -89,7 +96,9 @@ def cases(batch, features, hidden, check):
             for a in tp:
                 a -= LR * a.grad
                 a.grad = None
-        sync()
+        if not PIPELINED[0]:
+            sync()
+    torch_eager.wait = sync  # type: ignore[attr-defined]
     saved = jax_overlay.foreign(torch_mlp, framework="torch", result_shape_dtypes=spec,
                                 vjp="autograd")
     redo = jax_overlay.foreign(torch_mlp, framework="torch", result_shape_dtypes=spec,
@@ -124,17 +133,30 @@ def cases(batch, features, hidden, check):
     return out
 
 
+def per_step_us(run, calls):
+    """µs per step of `calls` steps; the wait for the last one inside the
+    time (a no-op where each step waited for itself)."""
+    t0 = harness.clock()
+    for _ in range(calls):
+        run()
+    run.wait()
+    return (harness.clock() - t0) / calls / 1e3
+
+
 def main():
     p = harness.arguments(__doc__, out=".", rounds=7, calls=200)
     p.add_argument("--shape", default="128,256,512",
                    help="batch,features,hidden (default: the small model above)")
+    p.add_argument("--pipelined", action="store_true",
+                   help="steps back to back, one wait after the last")
     args = p.parse_args()
+    PIPELINED[0] = args.pipelined
     batch, features, hidden = map(int, args.shape.split(","))
     default = (batch, features, hidden) == (128, 256, 512)
     made = cases(batch, features, hidden, check=default)
     runnable = {k: v for k, v in made.items() if callable(v)}
     samples = harness.alternate(
-        [harness.Arm(k, lambda fn=fn: harness.per_call_us(fn, args.calls), warm=fn,
+        [harness.Arm(k, lambda fn=fn: per_step_us(fn, args.calls), warm=fn,
                      control=k == CONTROL) for k, fn in runnable.items()], args.rounds)
     res = {"us": {}, "x_torch_eager": {}, "x_jax": {},
            "unavailable": {k: v for k, v in made.items() if not callable(v)}}
@@ -160,8 +182,9 @@ def main():
     lo, hi = res["control_range_us"]
     text = "\n".join([
         f"# MLP {features}-{hidden}-10 training step (value_and_grad + SGD, batch {batch}, "
-        f"float32), µs per "
-        f"step, {args.rounds} alternating rounds of {args.calls} steps; {env}",
+        f"float32), µs per step, "
+        f"{'pipelined (one wait per round)' if args.pipelined else 'each step waited for'}, "
+        f"{args.rounds} alternating rounds of {args.calls} steps; {env}",
         harness.table(["case", "us", "x torch eager", "x jax"], [
             (k, f"{res['us'][k]:.1f}", f"{res['x_torch_eager'][k]:.3f}", f"{res['x_jax'][k]:.3f}")
             for k in res["us"]]),
@@ -174,7 +197,8 @@ def main():
         f"foreign replay: the model's Python ran {RUNS[0]} times in "
         f"{STEPS.get('foreign replay', 0)} steps (each trace; warm-ups and checks included)"])
     print(text)
-    tag = "" if default else f"-{batch}x{features}x{hidden}"
+    tag = ("" if default else f"-{batch}x{features}x{hidden}") + (
+        "-pipelined" if args.pipelined else "")
     harness.save(os.path.join(args.out, f"train-step{tag}.json"), {"results": res, "meta": meta})
     harness.save(os.path.join(args.out, f"train-step{tag}.txt"), text + "\n")
 
