@@ -295,9 +295,9 @@ case "${1:-}" in
       >"$O/train-step-replay.txt" 2>&1; echo "train step exit status $?" >>"$O/train-step-replay.txt"
     tail -12 "$O/train-step-replay.txt"; tarball
     timeout -s INT 120 "$PY" benchmarks/bench_train_step.py --rounds 5 --calls 100 --pipelined \
-      --out "$O" >"$O/train-step-pipelined.txt" 2>&1
-    echo "train step pipelined exit status $?" >>"$O/train-step-pipelined.txt"
-    tail -12 "$O/train-step-pipelined.txt"; tarball
+      --out "$O" >"$O/train-step-pipelined-log.txt" 2>&1
+    echo "train step pipelined exit status $?" >>"$O/train-step-pipelined-log.txt"
+    tail -12 "$O/train-step-pipelined-log.txt"; tarball
     # Where the blocked step's time goes: GPU operations and their time per
     # step under PyTorch's profiler, against the wall time.
     timeout -s INT 90 "$PY" benchmarks/probe_train_step.py --steps 50 \
