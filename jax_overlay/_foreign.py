@@ -386,6 +386,8 @@ def foreign(fn: Callable[..., Any], *, framework: str, result_shape_dtypes: Any,
       ``"expand_dims"``/``"broadcast_all"``, where it is always so).
       Either way PyTorch differentiates only the inputs JAX differentiates
       (``argnums``); the others get zeros, which XLA drops if unused.
+      Complex gradients follow JAX's convention (PyTorch's conjugated), as
+      a ``vjp`` function's must.
     * ``vmap_method``: as for ``jax.pure_callback`` (``"sequential"``,
       ``"expand_dims"``, ``"broadcast_all"``).
     * ``input_output_aliases``: ``{input: output}`` over the flat leaves

@@ -347,17 +347,25 @@ def _in_a_share(t):
 
 
 def _grads(torch, flat, need, outs, cts, wrt, retain=False):
-    """PyTorch's gradients of `outs` (tensors or gradient edges, None where
-    no gradient flows) for the needed inputs (`wrt`, one per True in
-    `need`), flat; zeros where none flows (an input fn does not use).
-    `retain` keeps the graph for another backward (a template's)."""
-    pairs = [(o, c) for o, c in zip(outs, cts) if o is not None]
+    """JAX's cotangents of the needed inputs (`wrt`, one per True in
+    `need`), flat, from PyTorch's backward of `outs` (tensors or gradient
+    edges, None where no gradient flows) for the cotangents `cts`; zeros
+    where none flows (an input fn does not use).  `retain` keeps the graph
+    for another backward (a template's).
+
+    Complex numbers: PyTorch's backward computes the conjugate Wirtinger
+    derivative, JAX's vjp its conjugate, so JAX's vjp of a cotangent is
+    the conjugate of PyTorch's backward of the cotangent's conjugate (a
+    no-op for real dtypes; the lazy conj is resolved by the copy into XLA's
+    buffer)."""
+    pairs = [(o, c.conj() if c.is_complex() else c) for o, c in zip(outs, cts) if o is not None]
     grads: list = [None] * len(wrt)
     if pairs and wrt:
         grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs],
                                          allow_unused=True, retain_graph=retain))
     needed = [t for t, n in zip(flat, need) if n]
-    return [torch.zeros_like(t) if g is None else g for t, g in zip(needed, grads)]
+    return [torch.zeros_like(t) if g is None else g.conj() if g.is_complex() else g
+            for t, g in zip(needed, grads)]
 
 
 def _leaves(flat, need):
@@ -576,6 +584,10 @@ class Autograd:
             if not t.numel():
                 return t
             hit = bases.get(t.untyped_storage().data_ptr())
+            if hit is not None and (t.is_conj() or t.is_neg()):
+                # A lazy conjugate or negation of an input: as_strided over
+                # the input would drop the bit, so its values, resolved.
+                return t.resolve_conj().resolve_neg()
             if hit is None:
                 # PyTorch's own memory: the graph holds it.  Detached: an
                 # op's saved output, kept with its grad_fn, would be a cycle
@@ -639,7 +651,9 @@ class Autograd:
                 return t
             base = t if t._base is None else t._base
             i = ids.get(id(base))
-            if i is not None and base.dtype == t.dtype:
+            # (A lazy conjugate or negation of an input is a residual: a
+            # reference, read through as_strided, would drop the bit.)
+            if i is not None and base.dtype == t.dtype and not (t.is_conj() or t.is_neg()):
                 ref = _InputRef(i, t)
                 record.append(("input", i, tuple(ref.shape), tuple(ref.stride), ref.offset))
                 return ref
@@ -701,7 +715,8 @@ class Autograd:
             saved = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
         else:
             # Bytes, whatever the dtype (JAX without x64 has no int64 output).
-            saved = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in track]
+            saved = [t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+                     .view(torch.uint8) for t in track]
             with self.template_lock:
                 self.templates[key, _stream_of(flat)] = graph
         # The pack hook, which the graph's saved variables keep, holds

@@ -263,3 +263,31 @@ def test_only_the_inputs_jax_differentiates_get_gradients(recompute):
     assert ran == [1]
     (g,) = jax.grad(lambda x, w: f(x, w)[1].sum(), argnums=(0,))(x, w)  # x unused there
     np.testing.assert_array_equal(np.asarray(g), 0.0)
+
+
+@pytest.mark.parametrize("mode", [{}, {"recompute": True}, {"replay": True}],
+                         ids=["saved", "recompute", "replay"])
+def test_complex_gradients_follow_jaxs_convention(mode):
+    """PyTorch's backward computes the conjugate Wirtinger derivative, JAX's
+    vjp its conjugate: vjp="autograd" gives JAX's, for a real loss, a
+    holomorphic and a non-holomorphic complex output (a complex cotangent),
+    and a lazy conjugate of an input that the graph saves (a reference
+    through as_strided would drop its bit)."""
+    cases = [
+        (lambda x, y: (x.conj() * y).real.sum() + (x.conj() * x).real.sum(),
+         lambda x, y: (jnp.conj(x) * y).real.sum() + (jnp.conj(x) * x).real.sum()),
+        (lambda x, y: x * x * y, lambda x, y: x * x * y),
+        (lambda x, y: x.conj() * y + torch.sin(x), lambda x, y: jnp.conj(x) * y + jnp.sin(x)),
+    ]
+    x = on_cpu(jnp.array([1 + 2j, 3 - 1j, 0.5 + 0.5j], jnp.complex64))
+    y = on_cpu(jnp.array([2 - 1j, -1 + 1j, 1j], jnp.complex64))
+    for theirs, ours in cases:
+        f = jax_overlay.foreign(theirs, framework="torch", vjp="autograd",
+                                result_shape_dtypes=lambda x, y, o=ours: jax.eval_shape(o, x, y),
+                                **mode)
+        out, back = jax.vjp(f, x, y)
+        want_out, want_back = jax.vjp(ours, x, y)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6)
+        ct = jnp.ones_like(want_out) * (0.5 - 1.5j if jnp.iscomplexobj(want_out) else 1.0)
+        for a, b in zip(back(ct), want_back(ct)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
