@@ -250,7 +250,7 @@ case "${1:-}" in
       echo "replay tests exit status $?" >>"$O/replay-tests-loaded.txt"; tail -6 "$O/replay-tests-loaded.txt"; tarball
     fi
     # The autograd file (complex gradients, saved graphs), alone under load.
-    JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 10 150 "$PY" -m pytest -q -rfs -p no:cacheprovider \
+    JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 10 180 "$PY" -m pytest -q -rfs -p no:cacheprovider \
       tests/gpu/test_foreign_saved_graph_gpu.py >"$O/saved-graph-tests-loaded.txt" 2>&1
     echo "saved graph tests exit status $?" >>"$O/saved-graph-tests-loaded.txt"
     tail -6 "$O/saved-graph-tests-loaded.txt"; tarball
