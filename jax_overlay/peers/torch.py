@@ -161,6 +161,17 @@ def _np_dtype(t, known={}):  # noqa: B006 - a cache
     return dtype
 
 
+def _torch_dtype(dtype, known={}):  # noqa: B006 - a cache
+    """PyTorch's dtype of a NumPy dtype, None where it has none."""
+    try:
+        return known[dtype]
+    except KeyError:
+        import torch
+        t = getattr(torch, np.dtype(dtype).name, None)
+        t = known[dtype] = t if isinstance(t, torch.dtype) else None
+        return t
+
+
 class Foreign(GpuAdapter):
     """foreign(framework="torch"): views of XLA's device buffers as CUDA
     tensors on XLA's stream, made current; on the CPU backend, views of its
@@ -183,7 +194,6 @@ class Foreign(GpuAdapter):
         # both) costs a few µs; torch.cuda.stream() tens (it looks the
         # device up through Python on every call).
         self.native_with = hasattr(torch.Stream, "__enter__")
-        self._dtypes: dict = {}  # PyTorch's dtype of each NumPy dtype met
 
     def ordinal(self, buffers):
         """The GPU of the call's buffers, or None where all are host
@@ -217,7 +227,7 @@ class Foreign(GpuAdapter):
         return _allocating_to(self.torch, memory[0])
 
     def dtype(self, dtype):
-        t = self._same_dtype(dtype)
+        t = _torch_dtype(dtype)
         if t is None:
             raise ForeignError(f"PyTorch has no dtype {dtype}")
         return t
@@ -256,7 +266,7 @@ class Foreign(GpuAdapter):
         torch = self.torch
         if (stream is not None and type(got) is torch.Tensor and got.is_cuda
                 and got.layout == torch.strided and got.shape == b.shape
-                and got.dtype == self._same_dtype(b.dtype) and got.is_contiguous()
+                and got.dtype == _torch_dtype(b.dtype) and got.is_contiguous()
                 and not got.is_conj() and not got.is_neg()
                 and got.get_device() == stream.device_index):
             n = got.nbytes
@@ -270,15 +280,6 @@ class Foreign(GpuAdapter):
                 ext.copy_async(stream.device_index, dst, src, n, stream.cuda_stream)
                 return
         super().write(i, b, got, stream, tokens)
-
-    def _same_dtype(self, dtype):
-        """PyTorch's dtype of a NumPy dtype, None where it has none."""
-        try:
-            return self._dtypes[dtype]
-        except KeyError:
-            t = getattr(self.torch, np.dtype(dtype).name, None)
-            t = self._dtypes[dtype] = t if isinstance(t, self.torch.dtype) else None
-            return t
 
     def copy_into(self, view, got, stream):
         if isinstance(got, self.torch.Tensor):
@@ -680,7 +681,10 @@ class Autograd:
         try:
             leaves = []
             for (shape, dtype), n in zip(specs, need):
-                t = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device="meta")
+                dt = _torch_dtype(dtype)
+                if dt is None:
+                    raise TypeError(f"PyTorch has no dtype {dtype}")  # caught: fn runs again
+                t = torch.empty(shape, dtype=dt, device="meta")
                 leaves.append(t.requires_grad_(True) if n else t)
             pack, record = self._saving(leaves, track)
             _, _, _, outs = self._record(need, tree, leaves, pack, [])
