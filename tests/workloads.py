@@ -3,8 +3,9 @@ PyTorch and in JAX, for the tests and the benchmark of ``foreign(...,
 vjp="autograd")`` (tests/cpu/test_foreign_saved_graph.py,
 tests/gpu/test_foreign_saved_graph_gpu.py, tests/gpu/replay_worker.py,
 benchmarks/bench_train_step.py): an MLP with one tanh hidden layer, 10
-outputs and, as its loss, the mean square of its output.  PyTorch is
-imported on first use."""
+outputs and, as its loss, the mean square of its output; a probe of
+PyTorch's backward and complex-gradient cases, shared by the CPU and GPU
+autograd tests.  PyTorch is imported on first use."""
 
 from __future__ import annotations
 
@@ -73,3 +74,37 @@ def in_threads(work, n):
     for t in threads:
         t.join()
     return errors
+
+
+def backward_probe():
+    """(an identity PyTorch function, the list its backward appends to):
+    whether PyTorch differentiated what passed through it."""
+    import torch
+    ran: list = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            ran.append(1)
+            return g
+    return Probe.apply, ran
+
+
+def complex_cases():
+    """(PyTorch, JAX) pairs over complex x, y: a real loss with a lazy
+    conjugate of an input, a holomorphic and a non-holomorphic complex
+    output; and the inputs."""
+    import torch
+    cases = [
+        (lambda x, y: (x.conj() * y).real.sum() + (x.conj() * x).real.sum(),
+         lambda x, y: (jnp.conj(x) * y).real.sum() + (jnp.conj(x) * x).real.sum()),
+        (lambda x, y: x * x * y, lambda x, y: x * x * y),
+        (lambda x, y: x.conj() * y + torch.sin(x), lambda x, y: jnp.conj(x) * y + jnp.sin(x)),
+    ]
+    x = jnp.array([1 + 2j, 3 - 1j, 0.5 + 0.5j], jnp.complex64)
+    y = jnp.array([2 - 1j, -1 + 1j, 1j], jnp.complex64)
+    return cases, x, y

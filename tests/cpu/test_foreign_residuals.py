@@ -287,18 +287,8 @@ def test_a_tensor_made_on_a_fixed_device_falls_back():
 def test_only_the_inputs_jax_differentiates_get_gradients():
     """argnums picks `need`: one template per choice, PyTorch computing no
     gradient for the others."""
-    ran: list = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 1
-
-        @staticmethod
-        def backward(ctx, g):
-            ran.append(1)
-            return g
-    f = replayed(lambda x, w: (Probe.apply(x) * torch.tanh(w)).sum())
+    probe, ran = workloads.backward_probe()
+    f = replayed(lambda x, w: (probe(x) * torch.tanh(w)).sum())
     x = on_cpu(jnp.linspace(0, 1, 6, dtype=jnp.float32))
     w = on_cpu(jnp.linspace(1, 2, 6, dtype=jnp.float32))
     gw = jax.jit(jax.grad(f, argnums=1))(x, w)

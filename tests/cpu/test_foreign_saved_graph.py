@@ -238,19 +238,9 @@ def test_only_the_inputs_jax_differentiates_get_gradients(recompute):
     (custom_vjp's symbolic zeros say which), and they come back as zeros
     where asked for; a cotangent JAX leaves zero (an unused output) is
     given as zeros."""
-    ran: list = []
+    probe, ran = workloads.backward_probe()
 
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 1
-
-        @staticmethod
-        def backward(ctx, g):
-            ran.append(1)
-            return g
-
-    f = jax_overlay.foreign(lambda x, w: (Probe.apply(x) * w, w * 2), framework="torch",
+    f = jax_overlay.foreign(lambda x, w: (probe(x) * w, w * 2), framework="torch",
                             result_shape_dtypes=lambda x, w: (x, w), vjp="autograd",
                             recompute=recompute)
     x = on_cpu(jnp.linspace(0, 1, 6, dtype=jnp.float32))
@@ -273,14 +263,8 @@ def test_complex_gradients_follow_jaxs_convention(mode):
     holomorphic and a non-holomorphic complex output (a complex cotangent),
     and a lazy conjugate of an input that the graph saves (a reference
     through as_strided would drop its bit)."""
-    cases = [
-        (lambda x, y: (x.conj() * y).real.sum() + (x.conj() * x).real.sum(),
-         lambda x, y: (jnp.conj(x) * y).real.sum() + (jnp.conj(x) * x).real.sum()),
-        (lambda x, y: x * x * y, lambda x, y: x * x * y),
-        (lambda x, y: x.conj() * y + torch.sin(x), lambda x, y: jnp.conj(x) * y + jnp.sin(x)),
-    ]
-    x = on_cpu(jnp.array([1 + 2j, 3 - 1j, 0.5 + 0.5j], jnp.complex64))
-    y = on_cpu(jnp.array([2 - 1j, -1 + 1j, 1j], jnp.complex64))
+    cases, x, y = workloads.complex_cases()
+    x, y = on_cpu(x), on_cpu(y)
     for theirs, ours in cases:
         f = jax_overlay.foreign(theirs, framework="torch", vjp="autograd",
                                 result_shape_dtypes=lambda x, y, o=ours: jax.eval_shape(o, x, y),

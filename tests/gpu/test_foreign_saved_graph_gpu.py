@@ -21,7 +21,7 @@ import jax_overlay  # noqa: E402
 
 from jax_overlay.doctor import jax_fill  # noqa: E402
 from workloads import (  # noqa: E402
-    counted, in_threads, jax_mlp, mlp_params, sgd, torch_mlp)
+    complex_cases, counted, in_threads, jax_mlp, mlp_params, sgd, torch_mlp)
 
 SCALAR = jax.ShapeDtypeStruct((), np.float32)
 
@@ -149,14 +149,7 @@ def test_complex_gradients_follow_jaxs_convention(mode):
     real loss, a holomorphic and a non-holomorphic complex output, with a
     lazy conjugate of an input saved by the graph; replay here without
     command buffers (the saved tensors as residuals, fn run each call)."""
-    cases = [
-        (lambda x, y: (x.conj() * y).real.sum() + (x.conj() * x).real.sum(),
-         lambda x, y: (jnp.conj(x) * y).real.sum() + (jnp.conj(x) * x).real.sum()),
-        (lambda x, y: x * x * y, lambda x, y: x * x * y),
-        (lambda x, y: x.conj() * y + torch.sin(x), lambda x, y: jnp.conj(x) * y + jnp.sin(x)),
-    ]
-    x = jnp.array([1 + 2j, 3 - 1j, 0.5 + 0.5j], jnp.complex64)
-    y = jnp.array([2 - 1j, -1 + 1j, 1j], jnp.complex64)
+    cases, x, y = complex_cases()
     for theirs, ours in cases:
         f = jax_overlay.foreign(theirs, framework="torch", vjp="autograd",
                                 result_shape_dtypes=lambda x, y, o=ours: jax.eval_shape(o, x, y),
