@@ -19,8 +19,11 @@ Reported: median over rounds of each case's µs, and per round the overhead
 (case - torch alone) and the ratios, medians over rounds.
 
     python benchmarks/bench_foreign.py [--rounds 15] [--out DIR] [--tag -prealloc]
+        [--device cpu]
 
-writes DIR/foreign-ab{TAG}.txt and .json.  XLA_PYTHON_CLIENT_PREALLOCATE
+writes DIR/foreign-ab{TAG}.txt and .json.  --device cpu: the same cases on
+JAX's CPU backend with PyTorch's CPU tensors (no stream: where the GPU's
+per-call cost is not the mechanism's).  XLA_PYTHON_CLIENT_PREALLOCATE
 defaults to false here (PyTorch shares the GPU); set it to true for XLA's
 preallocated pool.  The settings are in the report's first line.
 """
@@ -51,17 +54,18 @@ def gelu_into(x, out):
     torch._C._nn.gelu(x, out=out)  # aten's gelu.out: the op, written into `out`
 
 
-def cases(n):
+def cases(n, device):
     spec = jax.ShapeDtypeStruct((n,), jnp.float32)
-    x = jnp.linspace(-3, 3, n, dtype=jnp.float32)
-    t = torch.linspace(-3, 3, n, device="cuda")
+    x = jax.device_put(jnp.linspace(-3, 3, n, dtype=jnp.float32), jax.devices(device)[0])
+    t = torch.linspace(-3, 3, n, device="cuda" if device == "gpu" else "cpu")
+    synchronize = torch.cuda.synchronize if t.is_cuda else (lambda: None)
     foreign = jax.jit(jax_overlay.foreign(gelu, framework="torch", result_shape_dtypes=spec))
     # The same gelu written straight into XLA's output buffer: no copy.
     into = jax.jit(jax_overlay.foreign(gelu_into, framework="torch", result_shape_dtypes=spec,
                                        out=True))
 
     def host_gelu(h):
-        return gelu(torch.from_numpy(np.asarray(h)).cuda()).cpu().numpy()
+        return gelu(torch.from_numpy(np.asarray(h)).to(t.device)).cpu().numpy()
     aliased = jax.jit(jax_overlay.foreign(gelu_into, framework="torch", result_shape_dtypes=spec,
                                           out=True, input_output_aliases={0: 0}),
                       donate_argnums=0)
@@ -74,13 +78,13 @@ def cases(n):
 
     def torch_in_place():
         gelu_into(t2, t2)
-        torch.cuda.synchronize()
+        synchronize()
     pure = jax.jit(lambda v: jax.pure_callback(host_gelu, spec, v))
     own = jax.jit(lambda v: jax.nn.gelu(v, approximate=False))  # the same (erf) gelu
 
     def torch_alone():
         gelu(t)
-        torch.cuda.synchronize()
+        synchronize()
     out = {CONTROL: torch_alone,
            "foreign": lambda: foreign(x).block_until_ready(),
            "pure_callback": lambda: pure(x).block_until_ready(),
@@ -109,8 +113,8 @@ def cases(n):
     return out
 
 
-def one_size(n, calls, rounds):
-    made = cases(n)
+def one_size(n, calls, rounds, device):
+    made = cases(n, device)
     runnable = {k: v for k, v in made.items() if callable(v)}
     samples = harness.alternate(  # each warmed up first (compile, allocate); rotating order
         [harness.Arm(k, lambda fn=fn: harness.per_call_us(fn, calls), warm=fn, control=k == CONTROL)
@@ -125,21 +129,26 @@ def one_size(n, calls, rounds):
     res["overhead_foreign_over_pure_callback"] = harness.med(harness.per_round(
         lambda f, p, b: (f - b) / (p - b), samples["foreign"], samples["pure_callback"], base))
     res["control_torch_alone_us_range"] = [min(base), max(base)]
+    if "torch2jax" in samples:
+        res["foreign_over_torch2jax"] = harness.med(harness.ratios(samples, "foreign", "torch2jax"))
     return res
 
 
 def main():
     p = harness.arguments(__doc__, out=".", rounds=15)
     p.add_argument("--tag", default="", help="appended to the output files' names")
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+                   help="cpu: JAX's CPU backend and PyTorch's CPU tensors")
     args = p.parse_args()
     results = {}
     alloc = " ".join(f"{k}={v}" for k, v in harness.allocator().items())
-    env = (f"{torch.cuda.get_device_name()}, jax {jax.__version__}, torch {torch.__version__}, "
+    where = torch.cuda.get_device_name() if args.device == "gpu" else f"CPU backend, {os.cpu_count()} cores"
+    env = (f"{where}, jax {jax.__version__}, torch {torch.__version__}, "
            f"Python {platform.python_version()}, {alloc}")
     lines = [f"# jax_overlay.foreign vs pure_callback / torch2jax, same process, "
              f"{args.rounds} alternating rounds; {env}"]
     for size, (n, calls) in SIZES.items():
-        res = results[size] = one_size(n, calls, args.rounds)
+        res = results[size] = one_size(n, calls, args.rounds, args.device)
         lo, hi = res["control_torch_alone_us_range"]
         lines += [f"\n## {size} float32 ({n} elements), µs per call, median of {args.rounds} rounds",
                   harness.table(["case", "us", "overhead us", "x torch alone"], [
@@ -149,6 +158,9 @@ def main():
         lines.append(f"foreign overhead / pure_callback overhead: "
                      f"{res['overhead_foreign_over_pure_callback']:.3f}; control (torch alone) "
                      f"{lo:.1f}-{hi:.1f} µs across rounds")
+        if "foreign_over_torch2jax" in res:
+            lines.append(f"foreign / torch2jax: {res['foreign_over_torch2jax']:.3f} "
+                         "(median of per-round ratios)")
     text = "\n".join(lines)
     print(text)
     harness.save(os.path.join(args.out, f"foreign-ab{args.tag}.json"),
