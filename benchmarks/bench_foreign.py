@@ -22,8 +22,9 @@ Reported: median over rounds of each case's µs, and per round the overhead
         [--device cpu]
 
 writes DIR/foreign-ab{TAG}.txt and .json.  --device cpu: the same cases on
-JAX's CPU backend with PyTorch's CPU tensors (no stream: where the GPU's
-per-call cost is not the mechanism's).  XLA_PYTHON_CLIENT_PREALLOCATE
+JAX's CPU backend with PyTorch's CPU tensors: no stream hand-off and no
+device copy, so the callback mechanism's own cost, apart from the GPU
+path's.  XLA_PYTHON_CLIENT_PREALLOCATE
 defaults to false here (PyTorch shares the GPU); set it to true for XLA's
 preallocated pool.  The settings are in the report's first line.
 """
@@ -142,7 +143,8 @@ def main():
     args = p.parse_args()
     results = {}
     alloc = " ".join(f"{k}={v}" for k, v in harness.allocator().items())
-    where = torch.cuda.get_device_name() if args.device == "gpu" else f"CPU backend, {os.cpu_count()} cores"
+    where = (torch.cuda.get_device_name() if args.device == "gpu"
+             else f"CPU backend, {os.cpu_count()} cores")
     env = (f"{where}, jax {jax.__version__}, torch {torch.__version__}, "
            f"Python {platform.python_version()}, {alloc}")
     lines = [f"# jax_overlay.foreign vs pure_callback / torch2jax, same process, "
