@@ -416,6 +416,22 @@ PYBIND11_MODULE(_xla_ext, m) {
 
 
   m.def(
+      "capsule_data",
+      [](py::handle capsule) {
+        // capsule_info's "data" alone, with the same checks: the address a
+        // foreign call copies to, per output, without building a dict.
+        CapsuleView v;
+        if (!InspectCapsule(capsule.ptr(), &v)) throw py::error_already_set();
+        ArrayView d;
+        Error err;
+        if (!DescribeTensor(*v.tensor, &d, &err)) Raise(err);
+        return d.data;
+      },
+      py::arg("capsule"),
+      "The address of the first element (data + byte_offset) of an unconsumed "
+      "DLPack capsule, checked as capsule_info checks it, without taking it.");
+
+  m.def(
       "capsule_info",
       [](py::handle capsule) {
         CapsuleView v;

@@ -187,7 +187,7 @@ def buffer_pointer(b):
     """The device address of an XLA buffer, through its own DLPack capsule
     (any dtype; its CAI has no typestr for bfloat16): read, not consumed,
     then dropped."""
-    return ext.capsule_info(b.__dlpack__())["data"]
+    return ext.capsule_data(b.__dlpack__())
 
 
 class GpuAdapter(Adapter):

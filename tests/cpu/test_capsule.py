@@ -208,6 +208,36 @@ def test_plan_dlpack_import_errors():
         ext.plan_dlpack_import(cap)
 
 
+@pytest.mark.parametrize("versioned", [False, True])
+@pytest.mark.parametrize("layout", ["compact", "strided", "0d", "offset", "empty"])
+def test_capsule_data_is_capsule_infos_address(versioned, layout):
+    base = np.arange(48, dtype=np.int16).reshape(6, 8)
+    a = np.asarray({"compact": base, "strided": base[::2, 1::3], "0d": base[2, 3],
+                    "offset": base.reshape(-1)[5:], "empty": base[:0]}[layout])
+    cap = a.__dlpack__(max_version=(1, 0)) if versioned else a.__dlpack__()
+    assert ext.capsule_data(cap) == ext.capsule_info(cap)["data"]
+    if a.size:
+        assert ext.capsule_data(cap) == a.ctypes.data
+    np.testing.assert_array_equal(np.from_dlpack(T.DLPackHolder(cap)), a)  # not consumed
+
+
+def test_capsule_data_refuses_what_capsule_info_refuses():
+    with pytest.raises(TypeError, match="expected a DLPack capsule"):
+        ext.capsule_data(object())
+    p = fresh((2,))
+    cap = ext.raw_capsule(p, p.__cuda_array_interface__["data"][0], [2], None, "<f4", 1, 0)
+    ext.release_capsule(cap)
+    with pytest.raises(BufferError, match="already consumed"):
+        ext.capsule_data(cap)
+    bad = ext.raw_capsule(p, 0, [2], None, "<f4", 1, 0)  # elements, and no address
+    with pytest.raises(BufferError, match="null data pointer") as want:
+        ext.capsule_info(bad)
+    with pytest.raises(BufferError) as got:
+        ext.capsule_data(bad)
+    assert str(got.value) == str(want.value)
+    ext.release_capsule(bad)
+
+
 class _Owner:
     """A stand-in for the token a foreign call's view holds."""
 
