@@ -224,6 +224,34 @@ class GpuAdapter(Adapter):
             stream = streams[key] = self.wrap(handle, ordinal)
         return stream
 
+    def caller(self, ordinal) -> int:
+        """The raw handle of the stream the calling thread's work of the
+        library goes to on GPU `ordinal` (its current stream; 0: the legacy
+        default stream)."""
+        raise NotImplementedError
+
+    def join(self, ordinal, xla, traced):
+        """Before fn: XLA's stream waits for what the caller queued on its
+        own stream (`caller()`), so fn reads the library's state as the
+        caller left it (a module's weights, an optimizer's step).  Returns
+        that stream, for leave(); None where there is nothing to fence:
+        while XLA's stream is captured (no fence can join a capture: a
+        replay runs with no Python), or where the caller's stream is XLA's."""
+        if traced:
+            return None
+        caller = self.caller(ordinal)
+        if caller == xla:
+            return None
+        ext.order_after(ordinal, caller, xla)
+        return caller
+
+    def leave(self, ordinal, xla, caller) -> None:
+        """After fn, also when it raised: the caller's stream waits for
+        fn's work on XLA's stream, so the caller's next work reads what fn
+        wrote into the library's state."""
+        if caller is not None:
+            ext.order_after(ordinal, xla, caller)
+
     def wrap(self, handle, ordinal):
         """The library's stream object over `handle`: its peer's."""
         assert self.peer is not None, "an adapter without a peer makes its own streams"

@@ -76,21 +76,29 @@ class Foreign(GpuAdapter):
         self.cupy = cupy
         self.array = cupy.ndarray
 
+    def caller(self, ordinal):
+        return self.cupy.cuda.get_current_stream().ptr  # of the current device: enter() sets it
+
     def enter(self, ctx, ordinal, traced=False):
-        stream = self.stream(ctx.stream, ordinal)
+        xla = ctx.stream
+        stream = self.stream(xla, ordinal)
         device = self.cupy.cuda.Device(ordinal)
         device.__enter__()
         try:
+            caller = self.join(ordinal, xla, traced)  # read before XLA's is made current
             stream.__enter__()
         except BaseException:
             device.__exit__(None, None, None)
             raise
-        return stream, (device, stream)
+        return stream, (device, stream, ordinal, xla, caller)
 
     def exit(self, state):
-        device, stream = state
+        device, stream, ordinal, xla, caller = state
         try:
-            stream.__exit__(None, None, None)
+            try:
+                stream.__exit__(None, None, None)
+            finally:
+                self.leave(ordinal, xla, caller)
         finally:
             device.__exit__(None, None, None)
 

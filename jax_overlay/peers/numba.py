@@ -56,31 +56,39 @@ class Foreign(GpuAdapter):
         from numba.core import config
         self.default = _PER_THREAD if getattr(config, "CUDA_PER_THREAD_DEFAULT_STREAM", 0) else _LEGACY
 
+    def caller(self, ordinal):
+        return self.default  # Numba has no current stream: the caller's work goes here
+
     def enter(self, ctx, ordinal, traced=False):
         xla = ctx.stream
         gpu = self.cuda.gpus[ordinal]
         gpu.__enter__()
         try:
             stream = self.stream(xla, ordinal)
-            # Work fn puts on the default stream runs after XLA's work
-            # before the call, and XLA's work after the call runs after it
+            # Both ways, since fn's kernels go to either stream: kernels
+            # on foreign_stream() after the caller's on the default stream
+            # (join), and fn's on the default stream after XLA's work
+            # before the call; XLA's work after the call runs after them
             # (exit()).  Not while XLA's stream is captured: no fence can
             # join a capture, and a kernel on the default stream is an
             # error there (kernels take foreign_stream()).
-            if not traced:
-                ext.order_after(ordinal, xla, self.default)
+            caller = self.join(ordinal, xla, traced)
+            if caller is not None:
+                ext.order_after(ordinal, xla, caller)
         except BaseException:
             gpu.__exit__(None, None, None)
             raise
-        return stream, (gpu, ordinal, None if traced else xla)
+        return stream, (gpu, ordinal, xla, caller)
 
     def exit(self, state):
-        gpu, ordinal, xla = state
+        gpu, ordinal, xla, caller = state
         try:
             # Also when fn raised: a kernel it launched may still write
-            # into XLA's buffers, which XLA must not reuse before it ends.
-            if xla is not None:
-                ext.order_after(ordinal, self.default, xla)
+            # into XLA's buffers, which XLA must not reuse before it ends;
+            # and the caller's next kernels read what fn's wrote (leave).
+            if caller is not None:
+                ext.order_after(ordinal, caller, xla)
+            self.leave(ordinal, xla, caller)
         finally:
             gpu.__exit__(None, None, None)
 

@@ -204,17 +204,27 @@ class Foreign(GpuAdapter):
             return None
         return super().ordinal(buffers)
 
+    def caller(self, ordinal):
+        return _facts()[0](ordinal)
+
     def enter(self, ctx, ordinal, traced=False):
         if ordinal is None:  # host tensors: no stream to make current
             return None, None
-        stream = self.stream(ctx.stream, ordinal)
-        state = stream if self.native_with else self.torch.cuda.stream(stream)
-        state.__enter__()
-        return stream, state
+        xla = ctx.stream
+        stream = self.stream(xla, ordinal)
+        caller = self.join(ordinal, xla, traced)  # read before XLA's is made current
+        within = stream if self.native_with else self.torch.cuda.stream(stream)
+        within.__enter__()
+        return stream, (within, ordinal, xla, caller)
 
     def exit(self, state):
-        if state is not None:
-            state.__exit__(None, None, None)
+        if state is None:
+            return
+        within, ordinal, xla, caller = state
+        try:
+            within.__exit__(None, None, None)
+        finally:
+            self.leave(ordinal, xla, caller)
 
     def capture(self, memory):
         """A private pool (torch.cuda.MemPool) where every allocation on

@@ -196,3 +196,25 @@ def test_ordinal_refuses_host_buffers_with_what_to_do(kind, words):
     gpu.name = "torch"
     with pytest.raises(_foreign.ForeignError, match=words):
         gpu.ordinal((_Buf(2, 0), _Buf(kind, 0)))
+
+
+def test_join_and_leave_fence_the_callers_stream_both_ways(monkeypatch):
+    """join(): XLA's stream after the caller's work, leave(): the caller's
+    stream after fn's; neither while XLA's stream is captured, nor where
+    the caller's stream is XLA's own."""
+    fences = []
+    monkeypatch.setattr(_base.ext, "order_after",
+                        lambda ordinal, producer, consumer: fences.append((ordinal, producer, consumer)))
+
+    class Caller(_base.GpuAdapter):
+        def caller(self, ordinal):
+            return 7
+    a = Caller()
+    assert a.join(1, 11, traced=True) is None
+    assert a.join(1, 7, traced=False) is None
+    a.leave(1, 11, None)
+    assert fences == []
+    caller = a.join(1, 11, traced=False)
+    assert (caller, fences) == (7, [(1, 7, 11)])
+    a.leave(1, 11, caller)
+    assert fences == [(1, 7, 11), (1, 11, 7)]
