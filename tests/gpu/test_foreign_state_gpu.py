@@ -60,11 +60,11 @@ class _Caller:
             own = torch.cuda.Stream() if which == "own" else None
             self.within = (torch.cuda.stream(own) if own is not None
                            else torch.cuda.stream(torch.cuda.current_stream()))
-            self.stream = own or torch.cuda.current_stream()
+            self.stream = own if own is not None else torch.cuda.current_stream()
         elif framework == "cupy":
             self.state = cp.zeros(N, np.float32)
             own = cp.cuda.Stream(non_blocking=True) if which == "own" else None
-            self.stream = own or cp.cuda.get_current_stream()
+            self.stream = own if own is not None else cp.cuda.get_current_stream()
             self.within = self.stream
         else:  # Numba has no current stream: the caller's is its default one
             assert which == "default"
