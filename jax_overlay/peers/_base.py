@@ -226,9 +226,9 @@ class GpuAdapter(Adapter):
 
     def caller(self, ordinal) -> int:
         """The raw handle of the stream the calling thread's work of the
-        library goes to on GPU `ordinal` (its current stream; 0: the legacy
-        default stream)."""
-        raise NotImplementedError
+        library goes to on GPU `ordinal`: its peer's current stream (0: the
+        legacy default stream)."""
+        return self.peer.current_stream(ordinal)
 
     def join(self, ordinal, xla, traced):
         """Before fn: XLA's stream waits for what the caller queued on its

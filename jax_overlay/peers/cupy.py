@@ -76,9 +76,6 @@ class Foreign(GpuAdapter):
         self.cupy = cupy
         self.array = cupy.ndarray
 
-    def caller(self, ordinal):
-        return self.cupy.cuda.get_current_stream().ptr  # of the current device: enter() sets it
-
     def enter(self, ctx, ordinal, traced=False):
         xla = ctx.stream
         stream = self.stream(xla, ordinal)

@@ -205,6 +205,8 @@ class Foreign(GpuAdapter):
         return super().ordinal(buffers)
 
     def caller(self, ordinal):
+        # The peer's current_stream, without torch.cuda's Python device
+        # lookup: inside a call PyTorch's CUDA is initialised already.
         return _facts()[0](ordinal)
 
     def enter(self, ctx, ordinal, traced=False):
