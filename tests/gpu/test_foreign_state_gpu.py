@@ -12,6 +12,8 @@ detector works."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -111,8 +113,9 @@ class _Caller:
             return x + state
         return jax_overlay.foreign(fn, framework=self.framework, result_shape_dtypes=SAME)
 
-    def writer(self):
-        """fn: writes its input into the state on XLA's stream, returns it."""
+    def writer(self, ran):
+        """fn: writes its input into the state on XLA's stream, returns it;
+        counts its calls in `ran`."""
         if self.framework == "numba":
             add, state, zero = self.add, self.view, self.zero
 
@@ -120,11 +123,13 @@ class _Caller:
                 s = jax_overlay.foreign_stream()
                 add[(N + 255) // 256, 256, s](x, zero, state)
                 add[(N + 255) // 256, 256, s](x, zero, out)
+                ran[0] += 1
             return jax_overlay.foreign(fn, framework="numba", result_shape_dtypes=SAME, out=True)
         state = self.state
 
         def fn(x):
             state[...] = x
+            ran[0] += 1
             return x
         return jax_overlay.foreign(fn, framework=self.framework, result_shape_dtypes=SAME)
 
@@ -152,12 +157,23 @@ def _writes(framework, which):
     """(stale, pending): trials whose caller copied the state before fn
     wrote it, and calls that returned with fn's input still in flight."""
     caller = _Caller(framework, which)
-    f = jax.jit(caller.writer())
+    ran = [0]
+    f = jax.jit(caller.writer(ran))
     stale = pending = 0
     with caller.within:
         f(jax_fill(0.0, n=N)).block_until_ready()
+        ran[0] = 0
         for k in range(1, TRIALS + 1):
             y = f(jax_fill(float(k), steps=int(MS * 100), n=N))
+            # The fence after fn is queued when XLA runs fn on the host.  A
+            # client that dispatched on another thread could return before
+            # that, and then no stream order could help a copy queued now:
+            # wait (on the host, for the launch, not for the GPU) until fn
+            # has run, so what is tested is the fence alone.
+            deadline = time.monotonic() + 10.0
+            while ran[0] < k and time.monotonic() < deadline:
+                time.sleep(0)
+            assert ran[0] == k, f"fn ran {ran[0]} times in {k} calls"
             pending += not y.is_ready()
             stale += caller.copied() != (k, k)
             y.block_until_ready()
