@@ -169,7 +169,9 @@ def _writes(framework, which):
             # client that dispatched on another thread could return before
             # that, and then no stream order could help a copy queued now:
             # wait (on the host, for the launch, not for the GPU) until fn
-            # has run, so what is tested is the fence alone.
+            # has run.  The fence follows fn on the thread that ran it,
+            # microseconds later; where f runs the program on the calling
+            # thread, f returns after both.
             deadline = time.monotonic() + 10.0
             while ran[0] < k and time.monotonic() < deadline:
                 time.sleep(0)
