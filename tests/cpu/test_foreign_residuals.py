@@ -53,9 +53,15 @@ def on_residuals(f):
             and a.backwards["template"] > 0 and a.backwards["recompute"] == 0)
 
 
-def close(got, want, rtol=1e-5, atol=1e-6):
+def close(got, want, rtol=1e-5, atol=1e-6, scaled=False):
+    """scaled: atol is relative to the leaf's largest entry.  An entry that
+    two frameworks compute as a cancellation (a sum of terms of the leaf's
+    size that is ~0) carries their rounding, not its own (a CI run: 3.8e-6
+    against 2.8e-6 beside entries of 357)."""
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+        b = np.asarray(b)
+        tol = atol * max(1.0, float(np.abs(b).max(initial=0.0))) if scaled else atol
+        np.testing.assert_allclose(np.asarray(a), b, rtol=rtol, atol=tol)
 
 
 def test_training_matches_jax_and_the_backward_never_runs_fn():
@@ -118,7 +124,8 @@ def test_every_kind_of_saved_tensor(name):
         return lambda *a: (g(*a) ** 2).sum()
     step = jax.jit(jax.grad(loss(f), argnums=(0, 1)))
     for k in range(3):  # one template, three inputs
-        close(step(x + k, w, i), jax.grad(loss(ours), argnums=(0, 1))(x + k, w, i), rtol=1e-4)
+        close(step(x + k, w, i), jax.grad(loss(ours), argnums=(0, 1))(x + k, w, i),
+              rtol=1e-4, scaled=True)  # transpose: a row of w sums to ~0
     assert on_residuals(f), (f.saved.found, f.saved.broken)
     assert len(calls) == 1 + 3
 
