@@ -88,7 +88,11 @@ def test_inputs_the_graph_saves_are_read_from_the_backward_call():
             got = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w, i)
             want = jax.grad(loss(ours), argnums=(0, 1))(x, w, i)
             for a, b in zip(got, want):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+                # atol at the leaf's scale: the transpose's entries that
+                # cancel to ~0 carry the rounding of terms of that size.
+                b = np.asarray(b)
+                np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5,
+                                           atol=1e-6 * max(1.0, float(np.abs(b).max())))
         assert f.saved.waiting() == 0
 
 
