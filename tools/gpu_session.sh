@@ -64,6 +64,9 @@
 #                                 alone under load (timing-dependent: isolated),
 #                                 then the GPU drop-in fuzz under load (12
 #                                 workers) in what is left of the call
+#                                 FIRST="files" runs those files first (the
+#                                 workers take tests in collection order), for
+#                                 a call too short for the whole suite
 #   bash tools/gpu_session.sh 12 K  JAX's interop tests and the re-sync probe
 #                                 with the channel (K=1 only), then the
 #                                 loaded fuzz from case 10^6 K
@@ -239,7 +242,7 @@ case "${1:-}" in
   for _ in $(seq 120); do grep -q ready "$O/load-$K.txt" && break; sleep 0.5; done
   if [ "$K" = 0 ]; then
     JAX_OVERLAY_GPU_LOAD=external timeout -s INT -k 15 "${SUITE_TIMEOUT:-220}" "$PY" -m pytest -n 4 -v -rfs \
-      -p no:cacheprovider --durations=10 tests/gpu --ignore=tests/gpu/test_fuzz_dropin_gpu.py \
+      -p no:cacheprovider --durations=10 ${FIRST:-} tests/gpu --ignore=tests/gpu/test_fuzz_dropin_gpu.py \
       --ignore=tests/gpu/test_foreign_replay_gpu.py --ignore=tests/gpu/test_foreign_saved_graph_gpu.py \
       >"$O/suite-n4-loaded.txt" 2>&1
     echo "suite exit status $?" >>"$O/suite-n4-loaded.txt"; tarball
